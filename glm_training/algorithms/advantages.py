@@ -1,0 +1,126 @@
+"""Group-relative advantages for GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300).
+
+Each prompt is sampled ``group_size`` times; a sample's advantage is its reward relative to the other
+samples of its group. Variants: normalised by the group's std (GRPO, Flow-GRPO), by the std of the
+whole batch (TRL ``scale_rewards="batch"``, Flow-GRPO ``global_std``), or only centred (Dr. GRPO,
+TRL ``scale_rewards="none"``).
+
+Layout: rewards as ``[num_groups, group_size]`` (every group the same size); :func:`rewards_to_groups`
+builds that layout from flat rewards and group ids. Standard deviations are population stds
+(``unbiased=False``, like ``np.std`` in Flow-GRPO; TRL uses the unbiased estimator, a factor
+``sqrt(n / (n - 1))`` apart). Outputs are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check_groups(rewards_gk: Tensor) -> Tensor:
+    if rewards_gk.ndim != 2:
+        raise ValueError(
+            f"rewards must have shape [num_groups, group_size]; got shape {tuple(rewards_gk.shape)} "
+            "(use rewards_to_groups to build it from flat rewards)"
+        )
+    return rewards_gk.float()
+
+
+def group_normalized_advantages(rewards_gk: Tensor, eps: float = 1e-4) -> Tensor:
+    """``(r - mean_g) / (std_g + eps)`` with the population std of each group.
+
+    Args:
+        rewards_gk: ``[num_groups, group_size]``.
+        eps: added to the std; a group whose rewards are all equal gets advantages 0.
+
+    Returns:
+        ``[num_groups, group_size]`` float32.
+    """
+    rewards_gk = _check_groups(rewards_gk)
+    mean_g1 = rewards_gk.mean(dim=1, keepdim=True)
+    std_g1 = rewards_gk.std(dim=1, keepdim=True, unbiased=False)
+    return (rewards_gk - mean_g1) / (std_g1 + eps)
+
+
+def batch_std_advantages(rewards_gk: Tensor, eps: float = 1e-4) -> Tensor:
+    """``(r - mean_g) / (std_all + eps)``: centred per group, scaled by the population std of all rewards.
+
+    Args:
+        rewards_gk: ``[num_groups, group_size]``; pass the globally gathered rewards so every rank
+            uses the same scale.
+
+    Returns:
+        ``[num_groups, group_size]`` float32.
+    """
+    rewards_gk = _check_groups(rewards_gk)
+    mean_g1 = rewards_gk.mean(dim=1, keepdim=True)
+    std_all = rewards_gk.std(unbiased=False)
+    return (rewards_gk - mean_g1) / (std_all + eps)
+
+
+def centered_advantages(rewards_gk: Tensor) -> Tensor:
+    """``r - mean_g``, no scaling (Dr. GRPO).
+
+    Returns:
+        ``[num_groups, group_size]`` float32.
+    """
+    rewards_gk = _check_groups(rewards_gk)
+    return rewards_gk - rewards_gk.mean(dim=1, keepdim=True)
+
+
+def clip_advantages(adv: Tensor, max_abs: float) -> Tensor:
+    """Clamp advantages elementwise to ``[-max_abs, max_abs]`` (Flow-GRPO uses 5). Any shape."""
+    if max_abs <= 0:
+        raise ValueError(f"max_abs must be > 0; got {max_abs}")
+    return adv.clamp(min=-max_abs, max=max_abs)
+
+
+def zero_std_groups(rewards_gk: Tensor, atol: float = 0.0) -> Tensor:
+    """Groups whose rewards are all equal within ``atol`` (max - min <= atol).
+
+    Such groups have zero advantage and carry no learning signal; DAPO's dynamic sampling drops them
+    and their fraction is worth logging (TRL ``frac_reward_zero_std``).
+
+    Returns:
+        ``[num_groups]`` bool.
+    """
+    rewards_gk = _check_groups(rewards_gk)
+    spread_g = rewards_gk.amax(dim=1) - rewards_gk.amin(dim=1)
+    return spread_g <= atol
+
+
+def rewards_to_groups(rewards_n: Tensor, group_ids_n: Tensor) -> tuple[Tensor, Tensor]:
+    """Arrange flat rewards into ``[num_groups, group_size]`` by group id.
+
+    Groups are ordered by ascending id; within a group the original order is kept (stable sort).
+
+    Args:
+        rewards_n: ``[N]`` rewards.
+        group_ids_n: ``[N]`` integer id of each sample's group (e.g. its prompt index); any values.
+
+    Returns:
+        ``(rewards_gk, inverse_n)``: ``rewards_gk`` is ``[num_groups, group_size]`` float32 and
+        ``adv_gk.reshape(-1)[inverse_n]`` puts per-group values back into the flat order.
+
+    Raises:
+        ValueError: if the inputs are not matching 1-D tensors, or the groups differ in size.
+    """
+    if rewards_n.ndim != 1 or group_ids_n.ndim != 1 or rewards_n.shape != group_ids_n.shape:
+        raise ValueError(
+            f"rewards_n and group_ids_n must be 1-D of the same length; got shapes "
+            f"{tuple(rewards_n.shape)} and {tuple(group_ids_n.shape)}"
+        )
+    if rewards_n.numel() == 0:
+        raise ValueError("rewards_n is empty")
+    order_n = torch.argsort(group_ids_n, stable=True)
+    ids, counts = torch.unique_consecutive(group_ids_n[order_n], return_counts=True)
+    if bool((counts != counts[0]).any()):
+        sizes = ", ".join(f"{int(i)}: {int(c)}" for i, c in zip(ids.tolist(), counts.tolist()))
+        raise ValueError(
+            f"groups have unequal sizes (group id: size) {sizes}; every group must hold the same "
+            "number of samples (group_size). Check that each prompt was sampled group_size times "
+            "and that no sample was dropped."
+        )
+    rewards_gk = rewards_n[order_n].float().reshape(ids.numel(), int(counts[0]))
+    inverse_n = torch.argsort(order_n)
+    return rewards_gk, inverse_n

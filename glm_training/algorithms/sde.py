@@ -1,0 +1,219 @@
+"""Stochastic sampling steps for a flow-matching DiT, with Gaussian transition log-probabilities.
+
+Implements the SDE sampler of Flow-GRPO (Liu et al., "Flow-GRPO: Training Flow Matching Models via
+Online RL", arXiv 2505.05470) and its coefficients-preserving variant ("CPS"), plus the plain Euler
+(ODE) step they reduce to when the noise level is 0.
+
+Convention: ``x_s = (1 - s) * x0 + s * eps``; the model predicts the velocity ``v = eps - x0``; one
+step goes from sigma ``s`` to ``s_next < s``, so ``dt = s_next - s < 0``.
+
+Reduction: the log-probability of a step is the per-element Gaussian log-density **averaged** (not
+summed) over all non-batch elements, as in Flow-GRPO. This keeps log-probs O(1) whatever the latent
+size, and is why Flow-GRPO's clip range is tiny (1e-4).
+
+All math runs in float32 whatever the dtype of the latents (bf16 latents work). A step whose
+transition std is 0 (noise level 0, or the CPS step onto ``s_next == 0``) is deterministic and has no
+density; its log-prob is defined as 0, so the policy ratio of such a step is exactly 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass
+class SDEStep:
+    """Result of one stochastic step.
+
+    Attributes:
+        prev_sample: ``x_{s_next}``, same shape and dtype as the latents.
+        log_prob: ``[B]`` float32, log-density of ``prev_sample``, mean over non-batch elements.
+        mean: ``[B, ...]`` float32 transition mean.
+        std: ``[B, 1, ..., 1]`` float32 transition std (for the flow SDE it includes ``sqrt(-dt)``).
+    """
+
+    prev_sample: Tensor
+    log_prob: Tensor
+    mean: Tensor
+    std: Tensor
+
+
+def _sigma_like(sigma: float | Tensor, latents: Tensor) -> Tensor:
+    """A float, 0-d or ``[B]`` sigma as a float32 ``[B or 1, 1, ..., 1]`` tensor on the latents' device."""
+    sigma_t = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
+    if sigma_t.ndim == 0:
+        return sigma_t.reshape((1,) * latents.ndim)
+    if sigma_t.ndim == 1 and sigma_t.shape[0] in (1, latents.shape[0]):
+        return sigma_t.reshape((-1,) + (1,) * (latents.ndim - 1))
+    raise ValueError(
+        f"sigma must be a float, a 0-d tensor or a [B] tensor with B={latents.shape[0]}; "
+        f"got shape {tuple(sigma_t.shape)}"
+    )
+
+
+def _per_sample(std: Tensor, latents: Tensor) -> Tensor:
+    """Expand a ``[1 or B, 1, ..., 1]`` std to ``[B, 1, ..., 1]``."""
+    return std.expand((latents.shape[0],) + (1,) * (latents.ndim - 1))
+
+
+def _check_shapes(
+    latents: Tensor, velocity: Tensor, noise: Tensor | None, prev_sample: Tensor | None
+) -> None:
+    for name, other in (("velocity", velocity), ("noise", noise), ("prev_sample", prev_sample)):
+        if other is not None and other.shape != latents.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(other.shape)} but latents have shape {tuple(latents.shape)}"
+            )
+
+
+def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Log-density of ``sample`` under ``N(mean, std^2)``, averaged over non-batch elements.
+
+    Per element: ``-(x - m)^2 / (2 std^2) - log(std) - log(sqrt(2 pi))``.
+
+    Args:
+        sample: ``[B, ...]``.
+        mean: broadcastable to ``sample``.
+        std: broadcastable to ``sample`` (typically ``[B, 1, ..., 1]``), ``>= 0``.
+
+    Returns:
+        ``[B]`` float32. Elements where ``std == 0`` contribute 0 (a deterministic transition has no
+        density); they stay finite in value and gradient.
+    """
+    sample = sample.float()
+    mean = mean.float()
+    std = std.float()
+    positive = std > 0
+    # A safe std in the masked-out branch keeps the backward pass free of 0 * inf = NaN.
+    safe_std = torch.where(positive, std, torch.ones_like(std))
+    log_prob = -((sample - mean) ** 2) / (2.0 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    log_prob = torch.where(positive, log_prob, torch.zeros_like(log_prob))
+    if log_prob.ndim <= 1:
+        return log_prob
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
+def ode_step(latents: Tensor, velocity: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:
+    """Euler step ``x + v * (s_next - s)``.
+
+    Args:
+        latents, velocity: ``[B, ...]``.
+        sigma, sigma_next: float, 0-d tensor or ``[B]`` tensor.
+
+    Returns:
+        ``[B, ...]`` in the dtype of ``latents``; computed in float32.
+    """
+    _check_shapes(latents, velocity, None, None)
+    dt = _sigma_like(sigma_next, latents) - _sigma_like(sigma, latents)
+    return (latents.float() + velocity.float() * dt).to(latents.dtype)
+
+
+def _draw(latents: Tensor, noise: Tensor | None, generator: torch.Generator | None) -> Tensor:
+    if noise is not None:
+        return noise.float()
+    return torch.randn(latents.shape, generator=generator, device=latents.device, dtype=torch.float32)
+
+
+def _finish_step(
+    latents: Tensor,
+    mean: Tensor,
+    std: Tensor,
+    noise: Tensor | None,
+    generator: torch.Generator | None,
+    prev_sample: Tensor | None,
+) -> SDEStep:
+    std = _per_sample(std, latents)
+    if prev_sample is None:
+        z = _draw(latents, noise, generator)
+        # where() rather than mean + 0 * z: a zero-std step returns the mean bit for bit.
+        prev_sample = torch.where(std > 0, mean + std * z, mean).to(latents.dtype)
+    # The log-prob is of the sample as returned (after the dtype cast) and treats it as data, so
+    # recomputing it later from the recorded trajectory gives the same number: ratio exactly 1.
+    log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
+    return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+
+
+def flow_sde_step(
+    latents: Tensor,
+    velocity: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    noise_level: float,
+    *,
+    noise: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: Tensor | None = None,
+) -> SDEStep:
+    """One step of Flow-GRPO's reverse SDE with noise level ``a``.
+
+    ``std_t = a * sqrt(s / (1 - s'))`` with ``s' = s_next`` where ``s >= 1`` (first step, where
+    ``1 - s`` would be 0) and ``s' = s`` otherwise;
+    ``mean = x (1 + std_t^2 / (2 s) dt) + v (1 + std_t^2 (1 - s) / (2 s)) dt``;
+    ``x_next = mean + std_t sqrt(-dt) z``. With ``a = 0`` this is exactly :func:`ode_step`.
+
+    Args:
+        latents, velocity: ``[B, ...]``; any float dtype.
+        sigma, sigma_next: float, 0-d tensor or ``[B]`` tensor; ``0 <= sigma_next < sigma <= 1``.
+        noise_level: ``a >= 0``.
+        noise: optional ``z``, same shape as latents; otherwise drawn with ``generator``.
+        generator: RNG for ``z`` (on the latents' device).
+        prev_sample: if given, nothing is sampled and the log-prob of this sample is returned.
+
+    Returns:
+        :class:`SDEStep`; ``log_prob`` is ``[B]``, mean over non-batch elements, 0 when ``a = 0``.
+    """
+    _check_shapes(latents, velocity, noise, prev_sample)
+    s = _sigma_like(sigma, latents)
+    s_next = _sigma_like(sigma_next, latents)
+    dt = s_next - s
+    s_den = torch.where(s >= 1, s_next, s)
+    std_t = noise_level * torch.sqrt(s / (1 - s_den))
+    x = latents.float()
+    v = velocity.float()
+    mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+    std = std_t * torch.sqrt(-dt)
+    return _finish_step(latents, mean, std, noise, generator, prev_sample)
+
+
+def cps_step(
+    latents: Tensor,
+    velocity: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    noise_level: float,
+    *,
+    noise: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: Tensor | None = None,
+) -> SDEStep:
+    """One coefficients-preserving ("CPS") stochastic step with noise level ``a``.
+
+    Predicts ``x0_hat = x - s v`` and ``x1_hat = x + (1 - s) v``, then re-noises to ``s_next`` so that
+    the coefficients of signal and noise sum in quadrature like the forward process:
+    ``std = s_next sin(a pi / 2)``, ``mean = (1 - s_next) x0_hat + sqrt(s_next^2 - std^2) x1_hat``,
+    ``x_next = mean + std z``. With ``a = 0`` the mean equals the Euler step (up to rounding).
+
+    The log-prob is the full Gaussian log-density (same reduction as :func:`flow_sde_step`). Flow-GRPO's
+    own CPS code keeps only ``-(x - m)^2`` (no ``1 / (2 std^2)`` and no constants), so its clip range
+    does not carry over to this function unchanged.
+
+    Args and returns: as :func:`flow_sde_step`. The step onto ``s_next == 0`` has std 0: it returns
+    ``x0_hat`` and a log-prob of 0.
+    """
+    _check_shapes(latents, velocity, noise, prev_sample)
+    s = _sigma_like(sigma, latents)
+    s_next = _sigma_like(sigma_next, latents)
+    std = s_next * math.sin(noise_level * math.pi / 2)
+    x = latents.float()
+    v = velocity.float()
+    x0_hat = x - s * v
+    x1_hat = x + (1 - s) * v
+    # clamp: s_next^2 - std^2 can round below 0 at a = 1.
+    mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * x1_hat
+    return _finish_step(latents, mean, std, noise, generator, prev_sample)

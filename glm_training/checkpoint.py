@@ -1,0 +1,167 @@
+"""Checkpoints: trainable weights, optimizer, LR scheduler, EMA, RNG and step, written atomically.
+
+A checkpoint is `<output_dir>/checkpoints/step-000010/`, written into a temporary sibling folder and renamed
+into place when complete, so a crash mid-save never leaves a half checkpoint that `resume=latest` would pick
+up, and an existing checkpoint is never overwritten. Only the trainable parameters are stored (the LoRA
+adapters, or the whole component for full fine-tuning), as safetensors; the frozen rest is reloaded from
+`model.name`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "step-"
+STATE_FILE = "trainer_state.json"
+WEIGHTS_FILE = "trainable.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be found or does not match the model; the message says which and why."""
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+    return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: p.name)
+
+
+def resolve_resume(resume: str, output_dir: Path) -> Path:
+    """`"latest"` -> the newest complete checkpoint in `output_dir`; a path -> that checkpoint, checked."""
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise CheckpointError(
+                f"trainer.resume=latest but '{output_dir}/checkpoints' holds no complete checkpoint; set "
+                "trainer.output_dir to the run to continue, or drop trainer.resume to start afresh."
+            )
+        return found[-1]
+    path = Path(resume).expanduser()
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(
+            f"trainer.resume='{resume}' is not a checkpoint folder (no {STATE_FILE}); give a folder such "
+            f"as <output_dir>/checkpoints/{CHECKPOINT_PREFIX}000010, or 'latest'."
+        )
+    return path
+
+
+def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that train (LoRA adapters or the whole component), detached, on CPU, contiguous."""
+    return {n: p.detach().cpu().contiguous() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    expected = {n for n, p in module.named_parameters() if p.requires_grad}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise CheckpointError(
+            "checkpoint does not match the model being trained: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Was it written with other "
+            "model.lora settings or another model.name?"
+        )
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    ema_state: dict | None,
+    config_yaml: str,
+    rank: int,
+    is_main: bool,
+    barrier,
+) -> Path:
+    """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state)."""
+    final = checkpoint_dir(output_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if is_main:
+        if final.exists():
+            raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}.")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if is_main:
+        save_file(trainable_state_dict(module), str(tmp / WEIGHTS_FILE))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+        if ema_state is not None:
+            torch.save(ema_state, tmp / "ema.pt")
+        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+    barrier()
+    if is_main:
+        # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step}), encoding="utf-8")
+        tmp.rename(final)
+        logger.info("saved checkpoint %s", final)
+    barrier()
+    return final
+
+
+def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps everything)."""
+    if keep_last <= 0:
+        return
+    for old in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    rank: int,
+) -> tuple[int, dict | None]:
+    """Restore everything `save_checkpoint` wrote; returns (step, EMA state or None)."""
+    step = int(json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"])
+    load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=False))
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    ema_file = path / "ema.pt"
+    ema = torch.load(ema_file, map_location="cpu", weights_only=False) if ema_file.is_file() else None
+    return step, ema

@@ -1,0 +1,524 @@
+"""Structured configuration: dataclasses registered in Hydra's ConfigStore, YAML files in `configs/` extending them.
+
+Every setting a run reads lives here, typed and validated at start-up (``__post_init__``), so a misspelt key,
+a wrong type, a bad resolution or a missing value stops the run before any model is loaded, with a message
+that names the key and the fix. Sizes that depend on the world size (per-rank batch, groups per rank) are
+derived in code (`per_rank_groups`), never written in YAML.
+
+Two command-line spellings are accepted by `load_config`:
+
+    python train_dit.py --config configs/t2i_training.yaml algo.beta=0.04
+    python train_dit.py --config-name t2i_training algo.beta=0.04      # Hydra's own (also -cn / --config-path)
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+BUNDLED_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts_tiny.txt"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message names the key and the fix."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key '{key}': {message}")
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def _check_choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(key, f"'{value}' is not one of {list(choices)}.{hint}")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_MAPS = ("auto", "balanced", "cpu", "cuda")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the trainable component; `enabled=False` means full fine-tuning."""
+
+    enabled: bool = True
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    # Attention projections of the GLM-Image DiT; the AR trainer's YAML names the GLM ones.
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+
+    def __post_init__(self) -> None:
+        _check(self.rank > 0, "model.lora.rank", f"must be > 0, got {self.rank}.")
+        _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}.")
+        _check(0.0 <= self.dropout < 1.0, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}.")
+        _check(len(self.target_modules) > 0, "model.lora.target_modules", "name at least one module.")
+
+
+@dataclass
+class ModelConfig:
+    """Which GLM-Image to load and how to place it (see `glm_training.models.placement`)."""
+
+    # "tiny" builds (once, cached) a random-weight GLM-Image offline; anything else is a hub id or a local
+    # folder loaded through the very same `from_pretrained` path, e.g. "zai-org/GLM-Image".
+    name: str = "tiny"
+    tiny_seed: int = 0
+    dtype: str = "float32"
+    # Single process only: "auto" (-> diffusers' "balanced"), "balanced", "cuda", or "cpu" (load on CPU, then
+    # move to the training device). Distributed runs always load on CPU and move to the rank's device.
+    device_map: str = "auto"
+    max_memory_fraction: float = 0.9
+    # A loading stage (download/read, placement, wrapping) that runs longer than this fails with an error
+    # naming the stage instead of hanging silently.
+    stage_timeout_s: float = 1800.0
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "model.name", "give 'tiny', a hub id or a local folder.")
+        _check_choice(self.dtype, DTYPES, "model.dtype")
+        _check_choice(self.device_map, DEVICE_MAPS, "model.device_map")
+        _check(
+            0.1 <= self.max_memory_fraction <= 1.0,
+            "model.max_memory_fraction",
+            f"must be in [0.1, 1.0], got {self.max_memory_fraction}.",
+        )
+        _check(self.stage_timeout_s > 0, "model.stage_timeout_s", "must be > 0 seconds.")
+
+
+@dataclass
+class DataConfig:
+    """Prompts and grouping. A group is `num_generations` samples of one prompt."""
+
+    # One prompt per line (.txt) or one JSON object per line with a "prompt" key (.jsonl; other keys,
+    # e.g. "text" for the OCR reward, are passed to the rewards as metadata). Empty = the bundled prompts.
+    prompt_file: str = ""
+    num_generations: int = 4
+    # Groups (prompts) per step over all ranks; must divide evenly over the ranks.
+    num_groups_per_step: int = 4
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.num_generations >= 2, "data.num_generations", "group-relative advantages need >= 2.")
+        _check(self.num_groups_per_step >= 1, "data.num_groups_per_step", "must be >= 1.")
+
+    def resolved_prompt_file(self) -> Path:
+        return Path(self.prompt_file).expanduser() if self.prompt_file else BUNDLED_PROMPTS
+
+    def per_rank_groups(self, world_size: int) -> int:
+        if self.num_groups_per_step % world_size:
+            raise ConfigError(
+                "data.num_groups_per_step",
+                f"{self.num_groups_per_step} groups cannot be split evenly over {world_size} ranks; "
+                f"use a multiple of {world_size}.",
+            )
+        return self.num_groups_per_step // world_size
+
+
+@dataclass
+class RewardConfig:
+    """Rewards from the registry, combined as a weighted sum (TRL's `reward_funcs` / `reward_weights`)."""
+
+    names: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
+    weights: list[float] = field(default_factory=list)  # empty = 1.0 each
+    options: dict[str, Any] = field(default_factory=dict)  # per reward name: constructor keyword arguments
+
+    def __post_init__(self) -> None:
+        _check(len(self.names) > 0, "reward.names", "name at least one reward.")
+        _check(
+            not self.weights or len(self.weights) == len(self.names),
+            "reward.weights",
+            f"has {len(self.weights)} entries for {len(self.names)} rewards; give one per name or none.",
+        )
+        _check(all(math.isfinite(w) for w in self.weights), "reward.weights", "must be finite numbers.")
+        unknown = set(self.options) - set(self.names)
+        _check(not unknown, "reward.options", f"options given for rewards not in reward.names: {sorted(unknown)}.")
+
+    def weight_map(self) -> dict[str, float]:
+        weights = self.weights or [1.0] * len(self.names)
+        return dict(zip(self.names, (float(w) for w in weights)))
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}.")
+        _check(len(self.betas) == 2, "optim.betas", "give two numbers, e.g. [0.9, 0.999].")
+        _check(self.max_grad_norm > 0, "optim.max_grad_norm", "must be > 0.")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0.")
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: how long, where outputs go, checkpoints, distribution."""
+
+    num_steps: int = 20
+    seed: int = 0
+    # Empty = outputs/<run name>-<timestamp>, chosen by rank 0 and shared with every rank.
+    output_dir: str = ""
+    save_every: int = 10  # optimizer steps between checkpoints; a final one is always written
+    keep_last: int = 0  # 0 keeps every checkpoint
+    resume: str | None = None  # a checkpoint folder, or "latest" (newest in output_dir)
+    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
+    strategy: str = "ddp"  # ddp | fsdp | deepspeed (multi-process engines of accelerate)
+    dist_timeout_s: float = 1800.0
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.num_steps >= 1, "trainer.num_steps", "must be >= 1.")
+        _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = only at the end).")
+        _check(self.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 = keep all).")
+        _check_choice(self.mixed_precision, ("no", "bf16", "fp16"), "trainer.mixed_precision")
+        _check_choice(self.strategy, ("ddp", "fsdp", "deepspeed"), "trainer.strategy")
+
+
+@dataclass
+class DiTSamplingConfig:
+    """The DiT rollout (Flow-GRPO SDE sampling)."""
+
+    height: int = 64
+    width: int = 64
+    num_steps: int = 10
+    guidance_scale: float = 1.5
+    noise_level: float = 0.7
+    sde_type: str = "flow_sde"  # flow_sde | cps
+    # Steps [sde_window_start, sde_window_end) sample with the SDE and are trained on; the rest are
+    # deterministic ODE steps (MixGRPO / Flow-GRPO-Fast). End -1 = through the last step.
+    sde_window_start: int = 0
+    sde_window_end: int = -1
+    micro_batch_size: int = 4  # images per DiT forward pass during the rollout
+
+    def __post_init__(self) -> None:
+        for key in ("height", "width"):
+            value = getattr(self, key)
+            _check(
+                value > 0 and value % 32 == 0,
+                f"sampling.{key}",
+                f"GLM-Image needs a multiple of 32, got {value}; try {max(32, round(value / 32) * 32)}.",
+            )
+        _check(self.num_steps >= 1, "sampling.num_steps", "must be >= 1.")
+        _check(self.guidance_scale >= 0, "sampling.guidance_scale", "must be >= 0 (<= 1 disables CFG).")
+        _check(self.noise_level >= 0, "sampling.noise_level", "must be >= 0.")
+        _check_choice(self.sde_type, ("flow_sde", "cps"), "sampling.sde_type")
+        end = self.window_end()
+        _check(
+            0 <= self.sde_window_start < end <= self.num_steps,
+            "sampling.sde_window_start",
+            f"the SDE window [{self.sde_window_start}, {end}) must lie inside [0, {self.num_steps}).",
+        )
+        _check(self.micro_batch_size >= 1, "sampling.micro_batch_size", "must be >= 1.")
+
+    def window_end(self) -> int:
+        return self.num_steps if self.sde_window_end < 0 else self.sde_window_end
+
+
+@dataclass
+class FlowGRPOConfig:
+    """Flow-GRPO loss settings. Log-probs are means over latent elements, hence the tiny clip range."""
+
+    beta: float = 0.0  # KL coefficient (Flow-GRPO: 0.04 GenEval/OCR, 0.01 PickScore)
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    scale_rewards: str = "group"  # group | batch | none
+    timestep_fraction: float = 0.99  # train on this fraction of the SDE steps
+    num_inner_epochs: int = 1
+    # Optimizer steps per rollout (1 = fully on-policy). The training passes reuse the rollout's micro-batches
+    # (sampling.micro_batch_size), so the recomputed log-probs equal the recorded ones bit for bit.
+    num_mini_batches: int = 1
+    ema: bool = False
+    ema_decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check(self.clip_range > 0, "algo.clip_range", "must be > 0.")
+        _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
+        _check_choice(self.scale_rewards, ("group", "batch", "none"), "algo.scale_rewards")
+        _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
+        _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
+        _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+
+
+@dataclass
+class ARSamplingConfig:
+    """The AR rollout: image-token sampling, and the frozen DiT that renders each sample for the reward."""
+
+    height: int = 64
+    width: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    dit_num_steps: int = 4
+    dit_guidance_scale: float = 1.5
+
+    def __post_init__(self) -> None:
+        for key in ("height", "width"):
+            value = getattr(self, key)
+            _check(
+                value > 0 and value % 32 == 0,
+                f"sampling.{key}",
+                f"GLM-Image needs a multiple of 32, got {value}; try {max(32, round(value / 32) * 32)}.",
+            )
+        _check(self.temperature > 0, "sampling.temperature", "must be > 0.")
+        _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1].")
+        _check(self.top_k >= 0, "sampling.top_k", "must be >= 0 (0 = off).")
+        _check(self.dit_num_steps >= 1, "sampling.dit_num_steps", "must be >= 1.")
+
+
+@dataclass
+class DAPOConfig:
+    """GRPO/DAPO token-level loss and dynamic sampling."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    beta: float = 0.0  # KL (k3) coefficient
+    scale_rewards: str = "group"
+    adv_clip_max: float = 5.0
+    num_inner_epochs: int = 1
+    num_mini_batches: int = 1
+    micro_batch_size: int = 4
+    dynamic_sampling: bool = True
+    max_resample_rounds: int = 3
+    on_budget_exhausted: str = "warn"  # warn (train on what was found) | error
+
+    def __post_init__(self) -> None:
+        _check(0 < self.epsilon_low < 1, "algo.epsilon_low", "must be in (0, 1).")
+        _check(self.epsilon_high > 0, "algo.epsilon_high", "must be > 0.")
+        _check_choice(
+            self.loss_aggregation,
+            ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+            "algo.loss_aggregation",
+        )
+        _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check_choice(self.scale_rewards, ("group", "batch", "none"), "algo.scale_rewards")
+        _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
+        _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
+        _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1.")
+        _check(self.max_resample_rounds >= 0, "algo.max_resample_rounds", "must be >= 0.")
+        _check_choice(self.on_budget_exhausted, ("warn", "error"), "algo.on_budget_exhausted")
+
+
+@dataclass
+class DiTTrainConfig:
+    """`python train_dit.py`: Flow-GRPO on the GLM-Image DiT decoder."""
+
+    run_name: str = "dit"
+    component: str = "dit"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampling: DiTSamplingConfig = field(default_factory=DiTSamplingConfig)
+    algo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
+
+
+@dataclass
+class ARTrainConfig:
+    """`python train_ar.py`: GRPO/DAPO on the GLM-Image autoregressive token model."""
+
+    run_name: str = "ar"
+    component: str = "ar"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampling: ARSamplingConfig = field(default_factory=ARSamplingConfig)
+    algo: DAPOConfig = field(default_factory=DAPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.component == "ar", "component", "train_ar.py trains the AR model; use train_dit.py for 'dit'.")
+
+
+SCHEMAS: dict[str, type] = {"dit_schema": DiTTrainConfig, "ar_schema": ARTrainConfig}
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore; YAML files name them in their defaults list."""
+    cs = ConfigStore.instance()
+    for name, node in SCHEMAS.items():
+        cs.store(name=name, node=node)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line -> typed config
+
+
+@dataclass
+class CommandLine:
+    config_dir: Path
+    config_name: str
+    overrides: list[str]
+
+
+def parse_command_line(argv: list[str], default_config: str) -> CommandLine:
+    """Split argv into the config file and Hydra overrides; both `--config FILE` and `--config-name` work."""
+    config_file: str | None = None
+    config_dir: str | None = None
+    config_name: str | None = None
+    overrides: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        flag, eq, inline = arg.partition("=")
+        if flag in ("--config", "-c", "--config-name", "-cn", "--config-path", "-cp"):
+            value = inline if eq else next(it, None)
+            if value is None:
+                raise ConfigError(flag, "expects a value, e.g. --config configs/t2i_training.yaml")
+            if flag in ("--config", "-c"):
+                config_file = value
+            elif flag in ("--config-name", "-cn"):
+                config_name = value
+            else:
+                config_dir = value
+        elif arg.startswith("-"):
+            raise ConfigError(
+                arg, "unknown flag; use --config FILE or --config-name NAME, then key=value overrides."
+            )
+        else:
+            overrides.append(arg)
+
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        if path.suffix not in (".yaml", ".yml"):
+            path = path.with_suffix(".yaml")
+        if not path.is_file():
+            raise ConfigError("--config", f"no such file '{config_file}'; available: {available_configs()}.")
+        return CommandLine(path.resolve().parent, path.stem, overrides)
+    name = config_name or default_config
+    name = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    directory = Path(config_dir).expanduser().resolve() if config_dir else CONFIG_DIR
+    if not (directory / f"{name}.yaml").is_file():
+        raise ConfigError("--config-name", f"no '{name}.yaml' in {directory}; available: {available_configs()}.")
+    return CommandLine(directory, name, overrides)
+
+
+def available_configs() -> list[str]:
+    return sorted(str(p.relative_to(CONFIG_DIR.parent)) for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def compose_config(command: CommandLine) -> Any:
+    """Compose the YAML with Hydra (defaults list, config groups, overrides) and convert it to dataclasses."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    register_configs()
+    overrides = list(command.overrides)
+    if command.config_dir != CONFIG_DIR:
+        # A config file elsewhere still resolves the project's groups (model/tiny, model/glm_image).
+        overrides.append(f"hydra.searchpath=[file://{CONFIG_DIR}]")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(command.config_dir), version_base=None):
+            cfg = compose(config_name=command.config_name, overrides=overrides)
+        return OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except (ConfigKeyError, ConfigAttributeError) as err:
+        raise _unknown_key_error(err) from None
+    except MissingMandatoryValue as err:
+        key = _full_key(err)
+        raise ConfigError(key, f"is required; set it in the YAML or on the command line ({key}=...).") from None
+    except ValidationError as err:
+        key = _full_key(err)
+        raise ConfigError(key, f"wrong type or value: {err.msg.splitlines()[0]}") from None
+    except HydraException as err:
+        cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+            raise _unknown_key_error(cause) from None
+        if isinstance(cause, ValidationError):
+            key = _full_key(cause)
+            raise ConfigError(key, f"wrong type or value: {cause.msg.splitlines()[0]}") from None
+        raise ConfigError("overrides", f"{str(err).splitlines()[0]}") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def load_config(argv: list[str], default_config: str) -> Any:
+    """Parse argv and return the validated config dataclass (`DiTTrainConfig` or `ARTrainConfig`)."""
+    return compose_config(parse_command_line(argv, default_config))
+
+
+def _full_key(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    return str(key)
+
+
+def _unknown_key_error(err: OmegaConfBaseException) -> ConfigError:
+    full_key = _full_key(err)
+    parent, _, leaf = full_key.rpartition(".")
+    valid = _valid_keys(parent)
+    close = difflib.get_close_matches(leaf, valid, n=1)
+    hint = f" Did you mean '{(parent + '.') if parent else ''}{close[0]}'?" if close else ""
+    return ConfigError(full_key, f"no such key.{hint} Valid keys{' under ' + parent if parent else ''}: {valid}.")
+
+
+def _valid_keys(parent: str) -> list[str]:
+    """Field names at a dotted path of any schema (union over the DiT and AR schemas)."""
+    names: set[str] = set()
+    for schema in SCHEMAS.values():
+        node: Any = schema
+        for part in [p for p in parent.split(".") if p]:
+            match = [f for f in fields(node) if f.name == part] if is_dataclass(node) else []
+            node = _field_type(match[0]) if match else None
+            if node is None:
+                break
+        if node is not None and is_dataclass(node):
+            names.update(f.name for f in fields(node))
+    return sorted(names)
+
+
+def _field_type(f: Any) -> Any:
+    default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+    return type(default) if is_dataclass(default) else None
+
+
+def config_to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+
+__all__ = [
+    "ARTrainConfig",
+    "ConfigError",
+    "DiTTrainConfig",
+    "MISSING",
+    "config_to_yaml",
+    "load_config",
+    "parse_command_line",
+]

@@ -1,0 +1,224 @@
+"""Everything distributed, in one place: rank info, device choice, the accelerate engine, and collectives.
+
+Trainers never call `torch.distributed` themselves. Every helper runs with the gloo backend on CPU, so the
+multi-rank behaviour is tested for real with 2 processes under `torchrun` on one machine, and degrades to
+a no-op in a single process.
+
+Two rules from the project's seed bugs live here:
+- distributed is detected from the environment (`WORLD_SIZE != 1`, `RANK`, `LOCAL_RANK`) or from the
+  configured engine (FSDP, DeepSpeed), and decides how models are loaded (see `models/placement.py`);
+- objects sent between ranks travel as CPU tensors, and whatever a rank receives is moved to its own
+  device before use (`gather_objects`): `all_gather_object` unpickles a CUDA tensor onto the device it
+  left from, so without this a rank ends up stacking another rank's `cuda:3` tensor with its own `cuda:2`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DISTRIBUTED_ENV_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
+    """Rank, local rank and world size as torchrun (or any launcher following its convention) sets them."""
+    env = os.environ if env is None else env
+    return RankInfo(
+        rank=int(env.get("RANK", 0)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+    )
+
+
+def detect_distributed(env: Mapping[str, str] | None = None, strategy: str = "ddp") -> tuple[bool, str]:
+    """Whether this process is part of a distributed run, and why (for the log line).
+
+    Any of `WORLD_SIZE != 1`, `RANK` or `LOCAL_RANK` in the environment, or an engine that shards the model
+    (FSDP, DeepSpeed, even on one process), counts: each means the model must not be loaded with a
+    multi-device map.
+    """
+    env = os.environ if env is None else env
+    if env.get("WORLD_SIZE", "1") != "1":
+        return True, f"WORLD_SIZE={env['WORLD_SIZE']}"
+    for var in ("RANK", "LOCAL_RANK"):
+        if var in env:
+            return True, f"{var}={env[var]} is set"
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or strategy == "deepspeed":
+        return True, "DeepSpeed is enabled"
+    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or strategy == "fsdp":
+        return True, "FSDP is enabled"
+    return False, "no distributed environment variables"
+
+
+def choose_device(local_rank: int = 0) -> torch.device:
+    """`cuda:<local_rank>` when CUDA is present, else the CPU. Resolved once at start-up and passed down."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Device equality that treats `cpu` and `cpu:0` (what accelerate reports under gloo) as one device."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    return (a.index or 0) == (b.index or 0)
+
+
+def make_accelerator(
+    *,
+    mixed_precision: str = "no",
+    strategy: str = "ddp",
+    timeout_s: float = 1800.0,
+    seed_everything: int | None = None,
+):
+    """The accelerate engine: DDP by default, FSDP or DeepSpeed when asked; gloo on machines without CUDA.
+
+    `cpu=True` on a CUDA-less machine is what makes accelerate pick its MULTI_CPU/gloo mode under torchrun
+    (otherwise it silently runs each rank as an independent single process).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    kwargs: dict[str, Any] = {}
+    if strategy == "fsdp":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()
+    elif strategy == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
+
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=2)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=mixed_precision,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
+        **kwargs,
+    )
+    if seed_everything is not None:
+        from accelerate.utils import set_seed
+
+        set_seed(seed_everything)
+    return accelerator
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collectives. All are no-ops (identity) in a single process.
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    """Tensors given to a collective must live where the backend expects them (CUDA for NCCL)."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate equally shaped tensors from every rank along dim 0, in rank order; same device as input."""
+    if not is_initialized():
+        return tensor
+    device = tensor.device
+    local = tensor.detach().to(_comm_device()).contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts, dim=0).to(device)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum / max / min of a tensor over ranks (returns a new tensor on the input's device)."""
+    if not is_initialized():
+        return tensor.clone()
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    device = tensor.device
+    out = tensor.detach().to(_comm_device()).clone()
+    dist.all_reduce(out, op=ops[op])
+    return out.to(device)
+
+
+def to_device(obj: T, device: torch.device | str) -> T:
+    """Recursively move every tensor in nested dicts/lists/tuples to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)  # type: ignore[return-value]
+    if isinstance(obj, Mapping):
+        return type(obj)((k, to_device(v, device)) for k, v in obj.items())  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(to_device(v, device) for v in obj))  # type: ignore[return-value]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)  # type: ignore[return-value]
+    return obj
+
+
+def gather_objects(obj: Any, device: torch.device | str = "cpu") -> list[Any]:
+    """Every rank's `obj`, in rank order, with every tensor moved to *this* rank's `device`.
+
+    Tensors are sent as CPU tensors (so unpickling never touches another rank's GPU) and moved to `device`
+    on arrival; the caller can stack what it receives without any further `.to()`.
+    """
+    payload = to_device(obj, "cpu")
+    if not is_initialized():
+        return [to_device(payload, device)]
+    received: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(received, payload)
+    return [to_device(item, device) for item in received]
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank `src`'s object on every rank (e.g. an output folder name chosen from rank 0's clock)."""
+    if not is_initialized():
+        return obj
+    box = [to_device(obj, "cpu")]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shard_bounds(total: int, rank: int, num_ranks: int) -> tuple[int, int]:
+    """[start, end) of rank's equal share of `total` items; `total` must divide evenly."""
+    if total % num_ranks:
+        raise ValueError(f"{total} items cannot be split evenly over {num_ranks} ranks.")
+    per = total // num_ranks
+    return rank * per, (rank + 1) * per
+
+
+def flatten(nested: Sequence[Sequence[T]]) -> list[T]:
+    return [item for part in nested for item in part]

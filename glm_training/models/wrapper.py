@@ -1,0 +1,113 @@
+"""`GLMImageWrapper`: one GLM-Image pipeline, split into the component being trained and the frozen rest.
+
+GLM-Image is trained one half at a time (decoupled post-training): `component="dit"` trains the diffusion
+transformer (`transformer`) and freezes the AR model, T5 glyph encoder and VAE; `component="ar"` trains the
+autoregressive `vision_language_encoder` and freezes the rest. The same class loads the tiny offline model
+(`model_name="tiny"`) and `zai-org/GLM-Image`, through the same `from_pretrained` call.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glm_training.models.placement import PlacementPlan, pipeline_load_kwargs, run_stage
+
+logger = logging.getLogger(__name__)
+
+TRAINABLE_COMPONENTS = {"dit": "transformer", "ar": "vision_language_encoder"}
+MODEL_COMPONENTS = ("vision_language_encoder", "text_encoder", "transformer", "vae")
+
+
+def resolve_model_path(model_name: str, tiny_seed: int = 0) -> str:
+    """`"tiny"` -> the cached offline tiny pipeline folder (built on first use); anything else unchanged."""
+    if model_name == "tiny":
+        from glm_training.models.tiny import ensure_tiny_pipeline
+
+        return str(ensure_tiny_pipeline(seed=tiny_seed))
+    path = Path(model_name).expanduser()
+    if path.exists() and not (path / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"model.name='{model_name}' is a folder but holds no model_index.json, so it is not a diffusers "
+            "pipeline; point it at a folder written by GlmImagePipeline.save_pretrained or a hub id."
+        )
+    return str(path) if path.exists() else model_name
+
+
+class GLMImageWrapper:
+    """Load a `GlmImagePipeline` and expose its trainable component and its frozen components.
+
+    Args:
+        model_name: "tiny", a hub id such as "zai-org/GLM-Image", or a local pipeline folder.
+        component: "dit" or "ar".
+        torch_dtype: dtype of every component's weights.
+        device_map: what `from_pretrained` receives: "cpu", "balanced" or "cuda" (see `placement.py`;
+            "auto" is translated to "balanced" there, as diffusers pipelines do not accept "auto").
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        component: str,
+        torch_dtype: torch.dtype = torch.float32,
+        device_map: str = "cpu",
+        *,
+        max_memory: dict | None = None,
+        stage_timeout_s: float = 1800.0,
+        tiny_seed: int = 0,
+    ):
+        if component not in TRAINABLE_COMPONENTS:
+            raise ValueError(f"component must be one of {sorted(TRAINABLE_COMPONENTS)}, got '{component}'.")
+        if device_map == "auto":
+            device_map = "balanced"
+        from diffusers import GlmImagePipeline
+
+        self.component = component
+        self.model_name = model_name
+        path = run_stage(
+            f"resolve model '{model_name}'", lambda: resolve_model_path(model_name, tiny_seed), stage_timeout_s
+        )
+        plan = PlacementPlan(False, "wrapper", device_map, None, max_memory)
+        kwargs = pipeline_load_kwargs(plan, torch_dtype)
+        self.pipeline = run_stage(
+            f"from_pretrained {path} (device_map={device_map})",
+            lambda: GlmImagePipeline.from_pretrained(path, **kwargs),
+            stage_timeout_s,
+        )
+        # Set directly: reloading a GenerationConfig from the checkpoint after loading was seen to hang.
+        ar = self.pipeline.vision_language_encoder
+        if ar.generation_config.pad_token_id is None:
+            ar.generation_config.pad_token_id = ar.generation_config.eos_token_id
+        for name, module in self.components().items():
+            module.requires_grad_(name == TRAINABLE_COMPONENTS[component])
+            module.train(False)
+
+    @property
+    def trainable_name(self) -> str:
+        return TRAINABLE_COMPONENTS[self.component]
+
+    @property
+    def trainable(self) -> nn.Module:
+        return getattr(self.pipeline, self.trainable_name)
+
+    @trainable.setter
+    def trainable(self, module: nn.Module) -> None:
+        # After LoRA wrapping the pipeline must run the adapted module.
+        self.pipeline.register_modules(**{self.trainable_name: module})
+
+    def components(self) -> dict[str, nn.Module]:
+        """All weight-holding components, by pipeline attribute name."""
+        return {name: getattr(self.pipeline, name) for name in MODEL_COMPONENTS}
+
+    def frozen(self) -> dict[str, nn.Module]:
+        return {n: m for n, m in self.components().items() if n != self.trainable_name}
+
+    def to(self, device: torch.device | str) -> GLMImageWrapper:
+        """Move every component (only for models loaded whole on one device: see `placement.move_to_device`)."""
+        from glm_training.models.placement import move_to_device
+
+        move_to_device(self.components(), torch.device(device))
+        return self

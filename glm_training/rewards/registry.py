@@ -1,0 +1,100 @@
+"""Reward registry: the `Reward` interface and name -> class lookup.
+
+A reward scores a batch of decoded images against their prompts (the reward signal of DDPO /
+Flow-GRPO / GRPO). Rewards register themselves under a config name with `@register_reward("name")`;
+configs refer to them by that name and `build_reward` constructs one. Name and option typos are
+reported before anything heavy (a reward model) is loaded.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from PIL import Image
+
+_REGISTRY: dict[str, type[Reward]] = {}
+
+RewardT = TypeVar("RewardT", bound="type[Reward]")
+
+
+class Reward(abc.ABC):
+    """A batch reward. Subclasses set nothing by hand: `name` comes from `register_reward`."""
+
+    name: str = "<unregistered>"
+
+    @abc.abstractmethod
+    def __call__(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Score a batch. Returns a float32 CPU tensor `scores_n` of shape [len(images)]."""
+
+    def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:  # noqa: B027
+        """Validate the prompt set once at start-up, before any model is loaded.
+
+        Raise ValueError naming the offending prompt and the fix. The default accepts everything.
+        """
+
+
+def register_reward(name: str) -> Callable[[RewardT], RewardT]:
+    """Class decorator registering a `Reward` subclass under `name` (sets `cls.name`)."""
+
+    def decorator(cls: RewardT) -> RewardT:
+        if not (isinstance(cls, type) and issubclass(cls, Reward)):
+            raise TypeError(f"@register_reward({name!r}) must decorate a Reward subclass, got {cls!r}")
+        if name in _REGISTRY:
+            existing = _REGISTRY[name]
+            raise ValueError(
+                f"reward name {name!r} is already registered by "
+                f"{existing.__module__}.{existing.__qualname__}; pick another name"
+            )
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_rewards() -> list[str]:
+    """Sorted names of all registered rewards."""
+    return sorted(_REGISTRY)
+
+
+def unknown_reward_message(name: str) -> str:
+    """The error text for an unknown reward name: closest match and the available names."""
+    close = difflib.get_close_matches(name, _REGISTRY, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"unknown reward {name!r}.{hint} Available rewards: {', '.join(available_rewards())}"
+
+
+def reward_class(name: str) -> type[Reward]:
+    """The class registered under `name`; ValueError listing the available names otherwise."""
+    if name not in _REGISTRY:
+        raise ValueError(unknown_reward_message(name))
+    return _REGISTRY[name]
+
+
+def check_reward_options(name: str, options: dict[str, Any]) -> None:
+    """Check `name` exists and its constructor accepts `options`, without constructing anything."""
+    cls = reward_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [
+        p.name
+        for p in params.values()
+        if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"reward {name!r} got unknown option(s) {unknown}; it accepts {accepted or 'no options'}"
+        )
+
+
+def build_reward(name: str, **options: Any) -> Reward:
+    """Construct the reward registered under `name` with `options` as constructor keywords."""
+    check_reward_options(name, options)
+    return reward_class(name)(**options)

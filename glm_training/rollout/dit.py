@@ -1,0 +1,247 @@
+"""The DiT rollout for Flow-GRPO: GLM-Image's own denoising loop, with SDE steps that record log-probs.
+
+This follows `diffusers.GlmImagePipeline.__call__` step for step (schedule, `timestep = t - 1`, glyph
+embeddings, classifier-free guidance `u + g (c - u)` in float32 with the empty-prompt glyph embeddings and
+`prior_token_drop=True` for the unconditional pass), so that with noise level 0 it reproduces the pipeline's
+latents exactly. Steps inside the SDE window sample with `flow_sde_step` / `cps_step` and record the latents
+before and after and the log-prob of the step taken; the other steps are deterministic Euler steps.
+
+The AR model runs once per prompt: every member of a group shares the prompt's prior tokens, so rewards
+within a group differ only through the DiT's noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from glm_training.algorithms.sde import SDEStep, cps_step, flow_sde_step, ode_step
+
+SDE_STEPS: dict[str, Callable[..., SDEStep]] = {"flow_sde": flow_sde_step, "cps": cps_step}
+
+
+def calculate_shift(image_seq_len: int, base_seq_len: int, base_shift: float, max_shift: float) -> float:
+    # GLM-Image's own shift (not the linear interpolation of SD3/Flux): sqrt scaling with the image size.
+    return (image_seq_len / base_seq_len) ** 0.5 * max_shift + base_shift
+
+
+def glm_image_schedule(pipeline, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(timesteps [N], sigmas [N+1]) float32 on CPU, exactly as `GlmImagePipeline.__call__` computes them."""
+    scheduler = pipeline.scheduler
+    num_train = scheduler.config.num_train_timesteps
+    image_seq_len = ((height // pipeline.vae_scale_factor) * (width // pipeline.vae_scale_factor)) // (
+        pipeline.transformer.config.patch_size**2
+    )
+    timesteps = np.linspace(num_train, 1.0, num_steps + 1)[:-1].astype(np.int64).astype(np.float32)
+    mu = calculate_shift(
+        image_seq_len,
+        scheduler.config.get("base_image_seq_len", 256),
+        scheduler.config.get("base_shift", 0.25),
+        scheduler.config.get("max_shift", 0.75),
+    )
+    scheduler.set_timesteps(sigmas=timesteps / num_train, mu=mu, device="cpu")
+    return scheduler.timesteps.clone().float(), scheduler.sigmas.clone().float()
+
+
+@dataclass
+class GuidanceInputs:
+    """What the DiT needs besides latents and time, for one micro-batch of B samples."""
+
+    prompt_embeds: torch.Tensor  # [B, S, D] glyph embeddings (left-padded within the micro-batch)
+    negative_embeds: torch.Tensor | None  # [B, S0, D] empty-prompt glyph embeddings; None without CFG
+    prior_token_ids: torch.Tensor  # [B, L] upsampled AR image tokens
+    target_size: torch.Tensor  # [B, 2] (height, width)
+    crop_coords: torch.Tensor  # [B, 2] zeros
+
+    def to(self, device: torch.device) -> GuidanceInputs:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return GuidanceInputs(*(move(getattr(self, f)) for f in self.__dataclass_fields__))  # type: ignore[arg-type]
+
+    def select(self, index: torch.Tensor | slice) -> GuidanceInputs:
+        return GuidanceInputs(
+            *(None if (t := getattr(self, f)) is None else t[index] for f in self.__dataclass_fields__)
+        )
+
+
+def predict_velocity(
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    t: torch.Tensor,
+    cond: GuidanceInputs,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """Guided velocity `u + g (c - u)` in float32, as the pipeline computes it. latents: [B, C, h, w].
+
+    `transformer` may be the DDP/LoRA-wrapped module (training) or the bare one (sampling): both see the
+    same inputs, so the recomputed log-probs equal the rollout's.
+    """
+    dtype = cond.prompt_embeds.dtype
+    model_input = latents.to(dtype)
+    timestep = t.to(latents.device).expand(latents.shape[0]) - 1
+    drop = torch.zeros_like(cond.prior_token_ids, dtype=torch.bool)
+    velocity = transformer(
+        hidden_states=model_input,
+        encoder_hidden_states=cond.prompt_embeds,
+        prior_token_id=cond.prior_token_ids,
+        prior_token_drop=drop,
+        timestep=timestep,
+        target_size=cond.target_size,
+        crop_coords=cond.crop_coords,
+        return_dict=False,
+    )[0].float()
+    if guidance_scale > 1 and cond.negative_embeds is not None:
+        uncond = transformer(
+            hidden_states=model_input,
+            encoder_hidden_states=cond.negative_embeds,
+            prior_token_id=cond.prior_token_ids,
+            prior_token_drop=~drop,
+            timestep=timestep,
+            target_size=cond.target_size,
+            crop_coords=cond.crop_coords,
+            return_dict=False,
+        )[0].float()
+        velocity = uncond + guidance_scale * (velocity - uncond)
+    return velocity
+
+
+@dataclass
+class DiTTrajectory:
+    """One micro-batch of sampled trajectories. Everything on CPU except while in use.
+
+    Attributes:
+        cond: the guidance inputs the DiT saw.
+        latents_bsc: [B, K, C, h, w] latents *before* each of the K recorded SDE steps (float32).
+        next_latents_bsc: [B, K, C, h, w] latents *after* each recorded step (the sample taken).
+        log_probs_bs: [B, K] float32 log-probs of the steps taken (mean over latent elements).
+        step_indices: the K schedule indices that were SDE steps.
+        final_latents: [B, C, h, w] the fully denoised latents.
+    """
+
+    cond: GuidanceInputs
+    latents_bsc: torch.Tensor
+    next_latents_bsc: torch.Tensor
+    log_probs_bs: torch.Tensor
+    step_indices: list[int]
+    final_latents: torch.Tensor
+    extras: dict = field(default_factory=dict)
+
+
+def encode_glyphs(pipeline, prompts: Sequence[str], guidance_scale: float, device: torch.device, dtype):
+    """Glyph embeddings of the prompts (and of "" for CFG), as `GlmImagePipeline.encode_prompt` makes them."""
+    prompt_embeds, negative_embeds = pipeline.encode_prompt(
+        list(prompts), do_classifier_free_guidance=guidance_scale > 1, device=device, dtype=dtype
+    )
+    return prompt_embeds, negative_embeds
+
+
+def build_guidance_inputs(
+    pipeline,
+    prompts: Sequence[str],
+    prior_token_ids: torch.Tensor,
+    height: int,
+    width: int,
+    guidance_scale: float,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> GuidanceInputs:
+    prompt_embeds, negative_embeds = encode_glyphs(pipeline, prompts, guidance_scale, device, dtype)
+    batch = len(prompts)
+    return GuidanceInputs(
+        prompt_embeds=prompt_embeds,
+        negative_embeds=negative_embeds,
+        prior_token_ids=prior_token_ids.to(device),
+        target_size=torch.tensor([[height, width]], dtype=dtype, device=device).repeat(batch, 1),
+        crop_coords=torch.zeros((batch, 2), dtype=dtype, device=device),
+    )
+
+
+@torch.no_grad()
+def sample_trajectory(
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    cond: GuidanceInputs,
+    timesteps: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    guidance_scale: float,
+    noise_level: float,
+    sde_type: str,
+    sde_window: tuple[int, int],
+    generator: torch.Generator | None,
+) -> DiTTrajectory:
+    """Denoise `latents` [B, C, h, w] through the schedule, SDE inside `sde_window` and ODE elsewhere."""
+    step_fn = SDE_STEPS[sde_type]
+    device = latents.device
+    latents = latents.float()
+    before, after, log_probs, indices = [], [], [], []
+    for i, t in enumerate(timesteps):
+        sigma, sigma_next = sigmas[i].to(device), sigmas[i + 1].to(device)
+        velocity = predict_velocity(transformer, latents, t, cond, guidance_scale)
+        if sde_window[0] <= i < sde_window[1]:
+            step = step_fn(latents, velocity, sigma, sigma_next, noise_level, generator=generator)
+            before.append(latents.cpu())
+            latents = step.prev_sample.detach()
+            after.append(latents.cpu())
+            log_probs.append(step.log_prob.cpu())
+            indices.append(i)
+        else:
+            latents = ode_step(latents, velocity, sigma, sigma_next)
+    return DiTTrajectory(
+        cond=cond.to(torch.device("cpu")),
+        latents_bsc=torch.stack(before, dim=1),
+        next_latents_bsc=torch.stack(after, dim=1),
+        log_probs_bs=torch.stack(log_probs, dim=1),
+        step_indices=indices,
+        final_latents=latents.cpu(),
+    )
+
+
+def recompute_step(
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    next_latents: torch.Tensor,
+    t: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    cond: GuidanceInputs,
+    *,
+    guidance_scale: float,
+    noise_level: float,
+    sde_type: str,
+) -> SDEStep:
+    """Log-prob (with gradients) of a recorded step `latents -> next_latents` under the current policy."""
+    velocity = predict_velocity(transformer, latents, t, cond, guidance_scale)
+    return SDE_STEPS[sde_type](latents, velocity, sigma, sigma_next, noise_level, prev_sample=next_latents)
+
+
+@torch.no_grad()
+def decode_latents(pipeline, latents: torch.Tensor) -> list:
+    """Latents -> PIL images, with the VAE's latent de-normalisation, as the pipeline's last stage."""
+    vae = pipeline.vae
+    device = next(vae.parameters()).device
+    latents = latents.to(device=device, dtype=vae.dtype)
+    channels = vae.config.latent_channels
+    mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+    std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+    images = vae.decode(latents * std + mean, return_dict=False)[0]
+    return pipeline.image_processor.postprocess(images, output_type="pil")
+
+
+@torch.no_grad()
+def generate_prior_tokens(
+    pipeline, prompts: Sequence[str], height: int, width: int, seed: int
+) -> torch.Tensor:
+    """[len(prompts), L] upsampled prior tokens from the frozen AR model (one sample per prompt)."""
+    ar = pipeline.vision_language_encoder
+    device = next(ar.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    prior, _, _ = pipeline.generate_prior_tokens(
+        prompt=list(prompts), height=height, width=width, device=device, generator=generator
+    )
+    return prior.cpu()

@@ -1,0 +1,389 @@
+"""`RewardTrainer`: what every GLM-Image reward trainer shares; `DiTTrainer` and `ARTrainer` override steps.
+
+The loop is `train()`: collect a batch (rollout, rewards, group advantages), update, log, checkpoint. The
+shared steps are here: config checks that run before any model is loaded, the distributed engine,
+`_build_model` (placement by construction, see `models/placement.py`), LoRA or full fine-tuning, the
+optimizer, rewards, group-relative advantages with statistics gathered over all ranks, checkpoints and
+metrics. Subclasses implement `_rollout` and `_update`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import sys
+import time
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glm_training import distributed as dist
+from glm_training.algorithms.advantages import (
+    batch_std_advantages,
+    centered_advantages,
+    clip_advantages,
+    group_normalized_advantages,
+    zero_std_groups,
+)
+from glm_training.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    resolve_resume,
+    save_checkpoint,
+)
+from glm_training.config import config_to_yaml
+from glm_training.data import Prompt, load_prompts, prompts_for_step
+from glm_training.metrics import MetricsWriter
+from glm_training.models.placement import (
+    PlacementPlan,
+    check_no_meta,
+    describe_module,
+    parse_dtype,
+    plan_placement,
+    run_stage,
+)
+from glm_training.models.wrapper import GLMImageWrapper
+from glm_training.rewards import RewardSet
+
+logger = logging.getLogger("glm_training")
+
+ADVANTAGE_FNS = {
+    "group": group_normalized_advantages,
+    "batch": batch_std_advantages,
+    "none": lambda rewards_gk, eps=0.0: centered_advantages(rewards_gk),
+}
+
+
+@dataclass
+class Batch:
+    """One step's samples on this rank, in group-major order (group g holds samples g*K .. g*K+K-1)."""
+
+    prompts: list[Prompt]  # one per sample
+    images: list  # PIL images, one per sample
+    rewards: torch.Tensor  # [N] weighted total, this rank's samples
+    reward_parts: dict[str, torch.Tensor]  # raw score of each reward, [N]
+    advantages: torch.Tensor  # [N]
+    rollout: Any  # what the subclass's `_update` needs (trajectories, token ids, ...)
+    stats: dict[str, float] = field(default_factory=dict)  # global reward statistics for the log
+
+
+def setup_logging(is_main: bool) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors."""
+    level = logging.INFO if is_main else logging.WARNING
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("glm_training").setLevel(level)
+
+
+class RewardTrainer:
+    """Base trainer. `component` ("dit" or "ar") names the half of GLM-Image that trains."""
+
+    component: str = ""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        info = dist.rank_info()
+        setup_logging(info.rank == 0)
+        # Everything that can be wrong with the inputs fails here, before any model is loaded.
+        self.prompts = load_prompts(cfg.data.resolved_prompt_file())
+        self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options)
+        self.rewards.check_prompts([p.text for p in self.prompts], [p.metadata for p in self.prompts])
+        self.groups_per_rank = cfg.data.per_rank_groups(info.world_size)
+
+        self.is_distributed, self.distributed_reason = dist.detect_distributed(strategy=cfg.trainer.strategy)
+        self.accelerator = dist.make_accelerator(
+            mixed_precision=cfg.trainer.mixed_precision,
+            strategy=cfg.trainer.strategy,
+            timeout_s=cfg.trainer.dist_timeout_s,
+            seed_everything=cfg.trainer.seed,
+        )
+        self.rank = self.accelerator.process_index
+        self.world_size = self.accelerator.num_processes
+        self.is_main = self.accelerator.is_main_process
+        self.output_dir = self._resolve_output_dir()
+        self.metrics = MetricsWriter(self.output_dir, self.is_main)
+
+        self.wrapper = self._build_model()
+        self.trainable = self._setup_trainable(self.wrapper.trainable)
+        self.wrapper.trainable = self.trainable
+        self.ema = self._build_ema()
+        self.optimizer, self.lr_scheduler = self._build_optimizer()
+        # Placement is already done (`_build_model`); accelerate only wraps (DDP / FSDP / DeepSpeed).
+        self.model, self.optimizer = self.accelerator.prepare(
+            self.trainable, self.optimizer, device_placement=[False, False]
+        )
+        self.start_step = self._maybe_resume()
+        if self.is_main:
+            (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+
+    # ---------------------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> Path:
+        cfg = self.cfg.trainer
+        bar = self._progress_bar()
+        for step in range(self.start_step, cfg.num_steps):
+            start = time.perf_counter()
+            batch = self._collect(step)
+            update_stats = self._update(batch, step)
+            record = {"step": step + 1, **batch.stats, **update_stats}
+            record["lr"] = self.lr_scheduler.get_last_lr()[0]
+            record["step_time_s"] = time.perf_counter() - start
+            self.metrics.write(record)
+            self._log_progress(bar, record)
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.num_steps:
+                self._save(step + 1)
+        if bar is not None:
+            bar.close()
+        dist.barrier()
+        return self.output_dir
+
+    def _collect(self, step: int) -> Batch:
+        """Rollout, rewards and advantages for this rank's groups of `step`."""
+        prompts = self._step_prompts(step)
+        rollout, images, sample_prompts = self._rollout(prompts, step)
+        rewards, parts = self._score(images, sample_prompts)
+        advantages, stats = self._advantages(rewards, parts)
+        return Batch(sample_prompts, images, rewards, parts, advantages, rollout, stats)
+
+    @abstractmethod
+    def _rollout(self, prompts: list[Prompt], step: int) -> tuple[Any, list, list[Prompt]]:
+        """Sample `num_generations` outputs per prompt; return (rollout data, images, prompt per sample)."""
+
+    @abstractmethod
+    def _update(self, batch: Batch, step: int) -> dict[str, float]:
+        """Policy-gradient update(s) on the batch; return the step's loss statistics."""
+
+    # ---------------------------------------------------------------------------------------------------
+    # Shared steps
+
+    def _step_prompts(self, step: int, round_index: int = 0) -> list[Prompt]:
+        """This rank's share of the step's prompts (the global list is identical on every rank)."""
+        seed = self.cfg.trainer.seed * 1000 + round_index
+        everyone = prompts_for_step(self.prompts, self.cfg.data.num_groups_per_step, seed, step)
+        start, end = dist.shard_bounds(len(everyone), self.rank, self.world_size)
+        return everyone[start:end]
+
+    def sample_seed(self, step: int, round_index: int = 0) -> int:
+        """Seed of this rank's sampling noise at `step`: a function of (seed, step, round, rank) only."""
+        return ((self.cfg.trainer.seed * 1_000_003 + step) * 101 + round_index) * 1009 + self.rank
+
+    def _score(self, images: list, prompts: list[Prompt]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.rewards(images, [p.text for p in prompts], [p.metadata for p in prompts])
+
+    def _advantages(
+        self, rewards: torch.Tensor, parts: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Group advantages with each group's statistics over the whole group, gathered from every rank."""
+        k = self.cfg.data.num_generations
+        all_rewards = dist.all_gather_cat(rewards.float())  # [W * N], rank order = global group order
+        rewards_gk = all_rewards.view(-1, k)
+        adv_fn = ADVANTAGE_FNS[self.cfg.algo.scale_rewards]
+        advantages = clip_advantages(adv_fn(rewards_gk), self.cfg.algo.adv_clip_max).reshape(-1)
+        start, end = dist.shard_bounds(all_rewards.numel(), self.rank, self.world_size)
+        stats = {
+            "reward_mean": all_rewards.mean().item(),
+            "reward_std": all_rewards.std(unbiased=False).item(),
+            "frac_zero_std_groups": zero_std_groups(rewards_gk).float().mean().item(),
+        }
+        for name, values in parts.items():
+            stats[f"reward/{name}"] = dist.all_gather_cat(values.float()).mean().item()
+        return advantages[start:end], stats
+
+    def _build_model(self) -> GLMImageWrapper:
+        """Load GLM-Image and place it on this process's device(s), following the plan (never by luck)."""
+        m = self.cfg.model
+        plan: PlacementPlan = plan_placement(
+            m.device_map,
+            distributed=self.is_distributed,
+            reason=self.distributed_reason,
+            device=dist.choose_device(self.accelerator.local_process_index),
+            max_memory_fraction=m.max_memory_fraction,
+        )
+        logger.info("[load] placement: %s", plan.describe())
+        wrapper = GLMImageWrapper(
+            m.name,
+            self.component,
+            parse_dtype(m.dtype),
+            plan.load_device_map,
+            max_memory=plan.max_memory,
+            stage_timeout_s=m.stage_timeout_s,
+            tiny_seed=m.tiny_seed,
+        )
+        check_no_meta(wrapper.components())
+        if plan.move_to is not None:
+            run_stage(f"move components to {plan.move_to}", lambda: wrapper.to(plan.move_to), m.stage_timeout_s)
+        for name, module in wrapper.components().items():
+            logger.info("[load] %s", describe_module(name, module))
+        self.placement = plan
+        self.device = next(wrapper.trainable.parameters()).device
+        return wrapper
+
+    def _setup_trainable(self, module: nn.Module) -> nn.Module:
+        """LoRA adapters (peft, injected in place so the pipeline keeps its classes) or full fine-tuning."""
+        lora = self.cfg.model.lora
+        self.reference: nn.Module | None = None
+        if lora.enabled:
+            from peft import LoraConfig
+
+            module.requires_grad_(False)
+            module.add_adapter(
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=list(lora.target_modules),
+                    init_lora_weights=True,
+                )
+            )
+            # Adapters train in float32 even when the base weights are bf16 (the usual LoRA recipe).
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        else:
+            module.requires_grad_(True)
+            if self.cfg.algo.beta > 0:
+                # Full fine-tuning: the KL reference is a frozen copy of the base weights.
+                self.reference = copy.deepcopy(module).requires_grad_(False).eval()
+        if self.cfg.model.gradient_checkpointing:
+            enable = getattr(module, "enable_gradient_checkpointing", None) or module.gradient_checkpointing_enable
+            enable()
+        module.eval()  # no dropout: the recomputed log-probs must equal the rollout's
+        num = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        if num == 0:
+            raise ValueError(
+                f"no trainable parameters in the {self.component} model: model.lora.target_modules="
+                f"{list(lora.target_modules)} matched nothing; name modules that exist in it."
+            )
+        logger.info("[load] %s", describe_module(f"{self.wrapper.trainable_name} (trainable)", module))
+        return module
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The KL reference: the same module with LoRA adapters disabled, or the frozen copy."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        module = self.trainable
+        module.disable_adapters()
+        try:
+            yield module
+        finally:
+            module.enable_adapters()
+
+    def _build_ema(self):
+        if not getattr(self.cfg.algo, "ema", False):
+            return None
+        from diffusers.training_utils import EMAModel
+
+        params = [p for p in self.trainable.parameters() if p.requires_grad]
+        return EMAModel(params, decay=self.cfg.algo.ema_decay)
+
+    def _build_optimizer(self):
+        o = self.cfg.optim
+        params = [p for p in self.trainable.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
+        warmup = o.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0
+        )
+        return optimizer, scheduler
+
+    def optimizer_step(self) -> float:
+        """Clip, step, schedule, zero; returns the pre-clip gradient norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = self.accelerator.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step([p for p in self.trainable.parameters() if p.requires_grad])
+        return float(grad_norm)
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if not values:
+            return {}
+        keys = sorted(values)
+        totals = dist.all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
+        return {k: (totals[i] / self.world_size).item() for i, k in enumerate(keys)}
+
+    # ---------------------------------------------------------------------------------------------------
+    # Outputs
+
+    def _resolve_output_dir(self) -> Path:
+        name = self.cfg.trainer.output_dir
+        if not name:
+            # Chosen once by rank 0 so every rank writes to the same folder.
+            name = dist.broadcast_object(f"outputs/{self.cfg.run_name}-{datetime.now():%Y%m%d-%H%M%S}")
+        path = Path(name).expanduser()
+        if self.cfg.trainer.resume is None and list_checkpoints(path):
+            raise FileExistsError(
+                f"'{path}' already holds checkpoints of another run; continue it with trainer.resume=latest, "
+                "or choose a new trainer.output_dir (checkpoints are never overwritten)."
+            )
+        if self.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        logger.info("outputs go to %s", path)
+        return path
+
+    def _save(self, step: int) -> None:
+        save_checkpoint(
+            self.output_dir,
+            step,
+            module=self.trainable,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            ema_state=self.ema.state_dict() if self.ema is not None else None,
+            config_yaml=config_to_yaml(self.cfg),
+            rank=self.rank,
+            is_main=self.is_main,
+            barrier=dist.barrier,
+        )
+        if self.is_main:
+            prune_checkpoints(self.output_dir, self.cfg.trainer.keep_last)
+        dist.barrier()
+
+    def _maybe_resume(self) -> int:
+        resume = self.cfg.trainer.resume
+        if not resume:
+            return 0
+        path = resolve_resume(resume, self.output_dir)
+        step, ema_state = load_checkpoint(
+            path, module=self.trainable, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, rank=self.rank
+        )
+        if self.ema is not None and ema_state is not None:
+            self.ema.load_state_dict(ema_state)
+        self.metrics.truncate_after(step)
+        logger.info("resumed from %s at step %d", path, step)
+        return step
+
+    def _progress_bar(self):
+        if not (self.is_main and self.cfg.trainer.progress_bar):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=self.cfg.trainer.num_steps, initial=self.start_step, desc=f"{self.component} GRPO", unit="step"
+        )
+
+    def _log_progress(self, bar, record: dict[str, Any]) -> None:
+        if bar is not None:
+            bar.set_postfix(reward=f"{record['reward_mean']:.4g}", loss=f"{record.get('loss', math.nan):.3g}")
+            bar.update(1)
+        elif self.is_main:
+            logger.info("step %d reward %.4g", record["step"], record["reward_mean"])

@@ -1,0 +1,229 @@
+"""Rewards: registry errors, JPEG sizes, the OCR reward on PIL-rendered text, RewardSet arithmetic."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from glm_training.rewards import Reward, RewardSet, available_rewards, build_reward, register_reward
+from glm_training.rewards.ocr import levenshtein, normalize_text, ocr_score, quoted_text, target_text
+
+
+def render_text(text: str, size: tuple[int, int] = (512, 128), font_size: int = 56) -> Image.Image:
+    image = Image.new("RGB", size, "white")
+    ImageDraw.Draw(image).text((20, 30), text, fill="black", font=ImageFont.load_default(size=font_size))
+    return image
+
+
+def noise_image(seed: int = 0, size: int = 64) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_builtin_rewards_are_registered():
+    assert {"jpeg_compressibility", "jpeg_incompressibility", "ocr"} <= set(available_rewards())
+
+
+def test_unknown_name_lists_available_and_suggests_closest():
+    with pytest.raises(ValueError, match="Did you mean 'jpeg_compressibility'") as info:
+        build_reward("jpeg_compressability")
+    for name in available_rewards():
+        assert name in str(info.value)
+
+
+def test_unknown_option_is_named_before_building():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['qualty'\].*quality"):
+        build_reward("jpeg_compressibility", qualty=90)
+
+
+def test_duplicate_registration_raises():
+    with pytest.raises(ValueError, match="'ocr' is already registered"):
+
+        @register_reward("ocr")
+        class AnotherOcr(Reward):
+            def __call__(self, images, prompts, metadata):
+                return torch.zeros(len(images))
+
+
+def test_register_requires_reward_subclass():
+    with pytest.raises(TypeError, match="Reward subclass"):
+        register_reward("test_not_a_reward")(object)
+
+
+# --------------------------------------------------------------------------- jpeg
+
+
+def test_jpeg_compressibility_matches_independent_encoding():
+    images = [Image.new("RGB", (64, 64), (120, 30, 200)), noise_image()]
+    scores = build_reward("jpeg_compressibility")(images, ["a", "b"], [{}, {}])
+    assert scores.shape == (2,) and scores.dtype == torch.float32 and scores.device.type == "cpu"
+    expected = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=95)
+        expected.append(-len(buffer.getvalue()) / 1000)  # DDPO: kB = 1000 bytes
+    torch.testing.assert_close(scores, torch.tensor(expected), rtol=0, atol=1e-6)
+    assert scores[0] > scores[1]  # flat image compresses better than noise
+
+    incompressibility = build_reward("jpeg_incompressibility")(images, ["a", "b"], [{}, {}])
+    torch.testing.assert_close(incompressibility, -scores, rtol=0, atol=0)
+
+
+def test_jpeg_is_deterministic_and_converts_to_rgb():
+    image = noise_image(seed=1).convert("RGBA")
+    reward = build_reward("jpeg_compressibility")
+    first = reward([image], ["p"], [{}])
+    torch.testing.assert_close(first, reward([image.convert("RGB")], ["p"], [{}]), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- text helpers
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "distance"),
+    [
+        ("kitten", "sitting", 3),  # k->s, e->i, +g
+        ("flaw", "lawn", 2),  # -f, +n
+        ("", "abc", 3),  # 3 insertions
+        ("abc", "", 3),
+        ("abc", "abc", 0),
+        ("intention", "execution", 5),  # the textbook example (Jurafsky & Martin), unit costs
+        ("ab", "ba", 2),  # no transpositions: two substitutions
+    ],
+)
+def test_levenshtein_golden(a, b, distance):
+    assert levenshtein(a, b) == distance
+    assert levenshtein(b, a) == distance
+
+
+def test_normalize_text():
+    assert normalize_text("  Hello \n  WORLD ") == "hello world"
+    assert normalize_text("ＧＬＭ：Image") == "glm:image"  # full-width forms fold to ASCII (NFKC)
+
+
+def test_quoted_text_patterns_in_prompt_order():
+    assert quoted_text("a sign that says 'OPEN'") == "OPEN"
+    assert quoted_text('a sign that says "OPEN"') == "OPEN"
+    assert quoted_text("a sign that says \u201cOPEN\u201d") == "OPEN"
+    assert quoted_text("a sign that says 「开放」") == "开放"
+    assert quoted_text("\u201cfirst\u201d then 'second' then \"third\"") == "first second third"
+    assert quoted_text('a poster saying "Don\'t stop"') == "Don't stop"
+    assert quoted_text("no quotes here") == ""
+    assert quoted_text('empty "" quotes') == ""
+
+
+def test_ocr_score_arithmetic():
+    assert ocr_score("Hello  World", "hello world") == 1.0
+    # "helo world" vs "hello world": 1 insertion over 11 characters
+    assert ocr_score("helo world", "hello world") == pytest.approx(1 - 1 / 11)
+    assert ocr_score("", "hello") == 0.0
+    assert ocr_score("a much longer unrelated string", "hi") == 0.0  # distance clipped at len(target)
+
+
+def test_metadata_text_overrides_quotes():
+    assert target_text('a sign that says "OPEN"', {"text": "Closed"}) == "closed"
+    assert target_text('a sign that says "OPEN"', {}) == "open"
+
+
+# --------------------------------------------------------------------------- ocr model
+
+
+@pytest.fixture(scope="module")
+def ocr_reward():
+    return build_reward("ocr")
+
+
+def test_ocr_exact_misspelled_and_blank(ocr_reward):
+    prompt = 'a white poster with the words "Hello World"'
+    images = [render_text("Hello World"), render_text("Hellp Wrld"), Image.new("RGB", (512, 128), "white")]
+    start = time.perf_counter()
+    scores = ocr_reward(images, [prompt] * 3, [{}] * 3)
+    seconds_per_image = (time.perf_counter() - start) / len(images)
+    assert scores.shape == (3,) and scores.dtype == torch.float32
+    assert scores[0].item() == 1.0
+    assert 0.0 < scores[1].item() < 1.0
+    assert scores[2].item() == 0.0
+    assert seconds_per_image < 2.0, f"OCR took {seconds_per_image:.2f} s per 512x128 image"
+
+
+def test_ocr_metadata_text_overrides_prompt_quotes(ocr_reward):
+    image = render_text("GLM")
+    scores = ocr_reward([image, image], ['a logo reading "XYZ"'] * 2, [{"text": "GLM"}, {}])
+    assert scores[0].item() == 1.0
+    assert scores[1].item() == 0.0  # "glm" vs "xyz": 3 substitutions over 3 characters
+
+
+def test_ocr_reads_tiny_images(ocr_reward):
+    # A 48x48 image (tiny-model resolution) is upscaled to min_side before detection.
+    image = render_text("OK", size=(192, 192), font_size=110).resize((48, 48), Image.Resampling.BICUBIC)
+    assert ocr_reward([image], ["'OK'"], [{}]).item() == 1.0
+
+
+def test_ocr_check_prompts_names_prompt(ocr_reward):
+    ocr_reward.check_prompts(['a sign "OPEN"', "a plain cat"], [{}, {"text": "meow"}])
+    with pytest.raises(ValueError, match=r"prompt 1 \('a plain dog'\).*add quotes around the text"):
+        ocr_reward.check_prompts(['a sign "OPEN"', "a plain dog"], [{}, {}])
+
+
+# --------------------------------------------------------------------------- RewardSet
+
+
+@register_reward("test_constant_reward")
+class ConstantReward(Reward):
+    """Scores image i as `offset + i`; `bad` makes it return a broken output."""
+
+    def __init__(self, offset: float = 0.0, bad: str = "") -> None:
+        self.offset = offset
+        self.bad = bad
+
+    def __call__(self, images, prompts, metadata):
+        scores = self.offset + torch.arange(len(images), dtype=torch.float32)
+        if self.bad == "shape":
+            return scores[:, None]
+        if self.bad == "nan":
+            scores[1] = float("nan")
+        return scores
+
+
+def test_reward_set_weighted_sum():
+    images = [Image.new("RGB", (32, 32), "white"), noise_image(size=32)]
+    reward_set = RewardSet(
+        {"test_constant_reward": 2.0, "jpeg_compressibility": -0.5},
+        options={"test_constant_reward": {"offset": 1.0}},
+    )
+    assert reward_set.names == ["test_constant_reward", "jpeg_compressibility"]
+    total, raw = reward_set(images, ["a", "b"], [{}, {}])
+    jpeg = raw["jpeg_compressibility"]
+    torch.testing.assert_close(raw["test_constant_reward"], torch.tensor([1.0, 2.0]))
+    # total_i = 2 * (1 + i) - 0.5 * jpeg_i
+    expected = torch.tensor([2.0 * 1.0 - 0.5 * jpeg[0].item(), 2.0 * 2.0 - 0.5 * jpeg[1].item()])
+    torch.testing.assert_close(total, expected)
+    assert total.dtype == torch.float32 and total.shape == (2,)
+
+
+@pytest.mark.parametrize(("bad", "message"), [("shape", "shape"), ("nan", "non-finite")])
+def test_reward_set_rejects_broken_output(bad, message):
+    reward_set = RewardSet({"test_constant_reward": 1.0}, options={"test_constant_reward": {"bad": bad}})
+    with pytest.raises(ValueError, match=f"'test_constant_reward'.*{message}"):
+        reward_set([Image.new("RGB", (8, 8))] * 2, ["a", "b"], [{}, {}])
+
+
+def test_reward_set_validates_config():
+    with pytest.raises(ValueError, match="at least one reward"):
+        RewardSet({})
+    with pytest.raises(ValueError, match="Did you mean 'ocr'"):
+        RewardSet({"jpeg_compressibility": 1.0, "ocrr": 1.0})
+    with pytest.raises(ValueError, match="finite"):
+        RewardSet({"jpeg_compressibility": float("inf")})
+    with pytest.raises(ValueError, match=r"\['ocr'\] that have no weight"):
+        RewardSet({"jpeg_compressibility": 1.0}, options={"ocr": {"use_det": False}})
+    with pytest.raises(ValueError, match="unknown option"):
+        RewardSet({"ocr": 1.0}, options={"ocr": {"use_dett": False}})
