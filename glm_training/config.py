@@ -1,21 +1,20 @@
-"""Structured configuration: dataclasses registered in Hydra's ConfigStore, YAML files in `configs/` extending them.
+"""Structured configuration: dataclasses in Hydra's ConfigStore, extended by the YAML files in `configs/`.
 
 Every setting a run reads lives here, typed and validated at start-up (``__post_init__``), so a misspelt key,
 a wrong type, a bad resolution or a missing value stops the run before any model is loaded, with a message
 that names the key and the fix. Sizes that depend on the world size (per-rank batch, groups per rank) are
-derived in code (`per_rank_groups`), never written in YAML.
+derived in code (`per_rank_samples`), never written in YAML.
 
 Two command-line spellings are accepted by `load_config`:
 
     python train_dit.py --config configs/t2i_training.yaml algo.beta=0.04
-    python train_dit.py --config-name t2i_training algo.beta=0.04      # Hydra's own (also -cn / --config-path)
+    python train_dit.py --config-name t2i_training algo.beta=0.04  # Hydra's (-cn, --config-path)
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -80,9 +79,10 @@ class LoraConfig:
 class ModelConfig:
     """Which GLM-Image to load and how to place it (see `glm_training.models.placement`)."""
 
-    # "tiny" builds (once, cached) a random-weight GLM-Image offline; anything else is a hub id or a local
-    # folder loaded through the very same `from_pretrained` path, e.g. "zai-org/GLM-Image".
-    name: str = "tiny"
+    # Required (the `model/` config group sets it). "tiny" builds (once, cached) a random-weight GLM-Image
+    # offline; anything else is a hub id or a local folder loaded through the very same `from_pretrained`
+    # path, e.g. "zai-org/GLM-Image".
+    name: str = MISSING
     tiny_seed: int = 0
     dtype: str = "float32"
     # Single process only: "auto" (-> diffusers' "balanced"), "balanced", "cuda", or "cpu" (load on CPU, then
@@ -115,7 +115,8 @@ class DataConfig:
     # e.g. "text" for the OCR reward, are passed to the rewards as metadata). Empty = the bundled prompts.
     prompt_file: str = ""
     num_generations: int = 4
-    # Groups (prompts) per step over all ranks; must divide evenly over the ranks.
+    # Groups (prompts) per step over all ranks. The groups x generations samples are split evenly over the
+    # ranks, so a group may straddle ranks (its statistics are gathered).
     num_groups_per_step: int = 4
     shuffle: bool = True
 
@@ -126,14 +127,16 @@ class DataConfig:
     def resolved_prompt_file(self) -> Path:
         return Path(self.prompt_file).expanduser() if self.prompt_file else BUNDLED_PROMPTS
 
-    def per_rank_groups(self, world_size: int) -> int:
-        if self.num_groups_per_step % world_size:
+    def per_rank_samples(self, world_size: int) -> int:
+        """Samples per rank per step: all `num_groups_per_step * num_generations` samples split evenly."""
+        total = self.num_groups_per_step * self.num_generations
+        if total % world_size:
             raise ConfigError(
                 "data.num_groups_per_step",
-                f"{self.num_groups_per_step} groups cannot be split evenly over {world_size} ranks; "
-                f"use a multiple of {world_size}.",
+                f"{self.num_groups_per_step} groups x {self.num_generations} generations = {total} samples "
+                f"cannot be split evenly over {world_size} ranks; make it a multiple of {world_size}.",
             )
-        return self.num_groups_per_step // world_size
+        return total // world_size
 
 
 @dataclass
@@ -153,7 +156,11 @@ class RewardConfig:
         )
         _check(all(math.isfinite(w) for w in self.weights), "reward.weights", "must be finite numbers.")
         unknown = set(self.options) - set(self.names)
-        _check(not unknown, "reward.options", f"options given for rewards not in reward.names: {sorted(unknown)}.")
+        _check(
+            not unknown,
+            "reward.options",
+            f"options given for rewards not in reward.names: {sorted(unknown)}.",
+        )
 
     def weight_map(self) -> dict[str, float]:
         weights = self.weights or [1.0] * len(self.names)
@@ -361,7 +368,11 @@ class ARTrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
-        _check(self.component == "ar", "component", "train_ar.py trains the AR model; use train_dit.py for 'dit'.")
+        _check(
+            self.component == "ar",
+            "component",
+            "train_ar.py trains the AR model; use train_dit.py for 'dit'.",
+        )
 
 
 SCHEMAS: dict[str, type] = {"dit_schema": DiTTrainConfig, "ar_schema": ARTrainConfig}
@@ -423,7 +434,9 @@ def parse_command_line(argv: list[str], default_config: str) -> CommandLine:
     name = name[: -len(".yaml")] if name.endswith(".yaml") else name
     directory = Path(config_dir).expanduser().resolve() if config_dir else CONFIG_DIR
     if not (directory / f"{name}.yaml").is_file():
-        raise ConfigError("--config-name", f"no '{name}.yaml' in {directory}; available: {available_configs()}.")
+        raise ConfigError(
+            "--config-name", f"no '{name}.yaml' in {directory}; available: {available_configs()}."
+        )
     return CommandLine(directory, name, overrides)
 
 
@@ -446,6 +459,13 @@ def compose_config(command: CommandLine) -> Any:
     try:
         with initialize_config_dir(config_dir=str(command.config_dir), version_base=None):
             cfg = compose(config_name=command.config_name, overrides=overrides)
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            key = missing[0]
+            hint = " (pick a model: model=tiny or model=glm_image)" if key == "model.name" else ""
+            raise ConfigError(
+                key, f"is required; set it in the YAML or on the command line ({key}=...){hint}."
+            )
         return OmegaConf.to_object(cfg)
     except ConfigError:
         raise
@@ -453,7 +473,9 @@ def compose_config(command: CommandLine) -> Any:
         raise _unknown_key_error(err) from None
     except MissingMandatoryValue as err:
         key = _full_key(err)
-        raise ConfigError(key, f"is required; set it in the YAML or on the command line ({key}=...).") from None
+        raise ConfigError(
+            key, f"is required; set it in the YAML or on the command line ({key}=...)."
+        ) from None
     except ValidationError as err:
         key = _full_key(err)
         raise ConfigError(key, f"wrong type or value: {err.msg.splitlines()[0]}") from None
@@ -485,7 +507,9 @@ def _unknown_key_error(err: OmegaConfBaseException) -> ConfigError:
     valid = _valid_keys(parent)
     close = difflib.get_close_matches(leaf, valid, n=1)
     hint = f" Did you mean '{(parent + '.') if parent else ''}{close[0]}'?" if close else ""
-    return ConfigError(full_key, f"no such key.{hint} Valid keys{' under ' + parent if parent else ''}: {valid}.")
+    return ConfigError(
+        full_key, f"no such key.{hint} Valid keys{' under ' + parent if parent else ''}: {valid}."
+    )
 
 
 def _valid_keys(parent: str) -> list[str]:
@@ -510,7 +534,6 @@ def _field_type(f: Any) -> Any:
 
 def config_to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
 
 
 __all__ = [

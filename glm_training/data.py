@@ -33,7 +33,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise PromptFileError(
             f"prompt file '{path}' does not exist; set data.prompt_file to a .txt (one prompt per line) or "
-            ".jsonl file (one {\"prompt\": ...} object per line), or leave it empty for the bundled prompts."
+            '.jsonl file (one {"prompt": ...} object per line), or leave it empty for the bundled prompts.'
         )
     prompts: list[Prompt] = []
     is_jsonl = path.suffix == ".jsonl"

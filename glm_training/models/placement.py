@@ -48,7 +48,7 @@ class StageTimeoutError(PlacementError):
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """How to load: the `device_map` given to `from_pretrained`, and where (if anywhere) to move afterwards."""
+    """How to load: the `device_map` for `from_pretrained`, and where (if anywhere) to move afterwards."""
 
     distributed: bool
     reason: str
@@ -93,7 +93,9 @@ def plan_placement(
             )
         # "auto"/"balanced" with no GPU to balance over: the CPU is the only device, and loading there *is*
         # the placement, so there is nothing to move.
-        return PlacementPlan(False, f"{reason}; no GPU, so '{device_map}' places everything on the CPU", "cpu", None)
+        return PlacementPlan(
+            False, f"{reason}; no GPU, so '{device_map}' places everything on the CPU", "cpu", None
+        )
     if device_map in ("auto", "balanced"):
         max_memory: dict[int | str, int] = {
             i: int(torch.cuda.get_device_properties(i).total_memory * max_memory_fraction)
@@ -105,7 +107,7 @@ def plan_placement(
 
 def pipeline_load_kwargs(plan: PlacementPlan, torch_dtype: torch.dtype) -> dict[str, Any]:
     """Keyword arguments for `GlmImagePipeline.from_pretrained`. Never any offloading options."""
-    kwargs: dict[str, Any] = {"torch_dtype": torch_dtype, "device_map": plan.load_device_map}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "device_map": plan.load_device_map}
     if plan.max_memory is not None:
         kwargs["max_memory"] = plan.max_memory
     return kwargs
@@ -124,7 +126,9 @@ def check_no_meta(components: Mapping[str, nn.Module], *, num_shown: int = 5) ->
     for name, module in components.items():
         found = meta_tensors(module)
         if found:
-            shown = ", ".join(found[:num_shown]) + (f", ... ({len(found)} in all)" if len(found) > num_shown else "")
+            shown = ", ".join(found[:num_shown]) + (
+                f", ... ({len(found)} in all)" if len(found) > num_shown else ""
+            )
             problems.append(f"{name}: {shown}")
     if problems:
         raise MetaTensorError(

@@ -68,7 +68,9 @@ class GLMImageWrapper:
         self.component = component
         self.model_name = model_name
         path = run_stage(
-            f"resolve model '{model_name}'", lambda: resolve_model_path(model_name, tiny_seed), stage_timeout_s
+            f"resolve model '{model_name}'",
+            lambda: resolve_model_path(model_name, tiny_seed),
+            stage_timeout_s,
         )
         plan = PlacementPlan(False, "wrapper", device_map, None, max_memory)
         kwargs = pipeline_load_kwargs(plan, torch_dtype)
@@ -106,8 +108,50 @@ class GLMImageWrapper:
         return {n: m for n, m in self.components().items() if n != self.trainable_name}
 
     def to(self, device: torch.device | str) -> GLMImageWrapper:
-        """Move every component (only for models loaded whole on one device: see `placement.move_to_device`)."""
+        """Move every component; only for models loaded whole on one device (`placement.move_to_device`)."""
         from glm_training.models.placement import move_to_device
 
         move_to_device(self.components(), torch.device(device))
         return self
+
+
+def load_for_training(
+    model_cfg,
+    component: str,
+    *,
+    distributed: bool,
+    reason: str,
+    device: torch.device,
+) -> tuple[GLMImageWrapper, PlacementPlan]:
+    """Load GLM-Image and place it for training: the one code path for the tiny model and the real one.
+
+    Plan (`plan_placement`) -> load with the plan's map -> refuse meta tensors by name -> move only when the
+    plan says so -> log where every component landed.
+    """
+    from glm_training.models.placement import check_no_meta, describe_module, parse_dtype, plan_placement
+
+    plan = plan_placement(
+        model_cfg.device_map,
+        distributed=distributed,
+        reason=reason,
+        device=device,
+        max_memory_fraction=model_cfg.max_memory_fraction,
+    )
+    logger.info("[load] placement: %s", plan.describe())
+    wrapper = GLMImageWrapper(
+        model_cfg.name,
+        component,
+        parse_dtype(model_cfg.dtype),
+        plan.load_device_map,
+        max_memory=plan.max_memory,
+        stage_timeout_s=model_cfg.stage_timeout_s,
+        tiny_seed=model_cfg.tiny_seed,
+    )
+    check_no_meta(wrapper.components())
+    if plan.move_to is not None:
+        run_stage(
+            f"move components to {plan.move_to}", lambda: wrapper.to(plan.move_to), model_cfg.stage_timeout_s
+        )
+    for name, module in wrapper.components().items():
+        logger.info("[load] %s", describe_module(name, module))
+    return wrapper, plan

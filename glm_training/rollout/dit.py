@@ -29,7 +29,9 @@ def calculate_shift(image_seq_len: int, base_seq_len: int, base_shift: float, ma
     return (image_seq_len / base_seq_len) ** 0.5 * max_shift + base_shift
 
 
-def glm_image_schedule(pipeline, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def glm_image_schedule(
+    pipeline, num_steps: int, height: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(timesteps [N], sigmas [N+1]) float32 on CPU, exactly as `GlmImagePipeline.__call__` computes them."""
     scheduler = pipeline.scheduler
     num_train = scheduler.config.num_train_timesteps
@@ -43,7 +45,9 @@ def glm_image_schedule(pipeline, num_steps: int, height: int, width: int) -> tup
         scheduler.config.get("base_shift", 0.25),
         scheduler.config.get("max_shift", 0.75),
     )
-    scheduler.set_timesteps(sigmas=timesteps / num_train, mu=mu, device="cpu")
+    # Both are passed, as the pipeline does: the DiT then sees the *unshifted* integer timesteps while the
+    # steps use the shifted sigmas. Deriving t from the shifted sigmas would change every prediction.
+    scheduler.set_timesteps(timesteps=timesteps, sigmas=timesteps / num_train, mu=mu, device="cpu")
     return scheduler.timesteps.clone().float(), scheduler.sigmas.clone().float()
 
 
@@ -132,8 +136,12 @@ class DiTTrajectory:
     extras: dict = field(default_factory=dict)
 
 
+@torch.no_grad()
 def encode_glyphs(pipeline, prompts: Sequence[str], guidance_scale: float, device: torch.device, dtype):
-    """Glyph embeddings of the prompts (and of "" for CFG), as `GlmImagePipeline.encode_prompt` makes them."""
+    """Glyph embeddings of the prompts (and of "" for CFG), as `GlmImagePipeline.encode_prompt` makes them.
+
+    Under `no_grad` like the pipeline: the frozen T5 takes other kernels with autograd on (~5e-7 apart).
+    """
     prompt_embeds, negative_embeds = pipeline.encode_prompt(
         list(prompts), do_classifier_free_guidance=guidance_scale > 1, device=device, dtype=dtype
     )

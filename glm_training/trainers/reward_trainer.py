@@ -42,15 +42,8 @@ from glm_training.checkpoint import (
 from glm_training.config import config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
 from glm_training.metrics import MetricsWriter
-from glm_training.models.placement import (
-    PlacementPlan,
-    check_no_meta,
-    describe_module,
-    parse_dtype,
-    plan_placement,
-    run_stage,
-)
-from glm_training.models.wrapper import GLMImageWrapper
+from glm_training.models.placement import describe_module
+from glm_training.models.wrapper import GLMImageWrapper, load_for_training
 from glm_training.rewards import RewardSet
 
 logger = logging.getLogger("glm_training")
@@ -100,7 +93,7 @@ class RewardTrainer:
         self.prompts = load_prompts(cfg.data.resolved_prompt_file())
         self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options)
         self.rewards.check_prompts([p.text for p in self.prompts], [p.metadata for p in self.prompts])
-        self.groups_per_rank = cfg.data.per_rank_groups(info.world_size)
+        self.samples_per_rank = cfg.data.per_rank_samples(info.world_size)
 
         self.is_distributed, self.distributed_reason = dist.detect_distributed(strategy=cfg.trainer.strategy)
         self.accelerator = dist.make_accelerator(
@@ -151,16 +144,20 @@ class RewardTrainer:
         return self.output_dir
 
     def _collect(self, step: int) -> Batch:
-        """Rollout, rewards and advantages for this rank's groups of `step`."""
-        prompts = self._step_prompts(step)
-        rollout, images, sample_prompts = self._rollout(prompts, step)
+        """Rollout, rewards and advantages for this rank's samples of `step`."""
+        group_prompts, group_ids = self._step_samples(step)
+        rollout, images = self._rollout(group_prompts, group_ids, step)
+        sample_prompts = [group_prompts[g] for g in group_ids]
         rewards, parts = self._score(images, sample_prompts)
         advantages, stats = self._advantages(rewards, parts)
         return Batch(sample_prompts, images, rewards, parts, advantages, rollout, stats)
 
     @abstractmethod
-    def _rollout(self, prompts: list[Prompt], step: int) -> tuple[Any, list, list[Prompt]]:
-        """Sample `num_generations` outputs per prompt; return (rollout data, images, prompt per sample)."""
+    def _rollout(self, group_prompts: list[Prompt], group_ids: list[int], step: int) -> tuple[Any, list]:
+        """Sample this rank's samples: sample i belongs to group `group_ids[i]` (prompt `group_prompts[g]`).
+
+        Returns (rollout data for `_update`, one image per sample).
+        """
 
     @abstractmethod
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
@@ -169,12 +166,18 @@ class RewardTrainer:
     # ---------------------------------------------------------------------------------------------------
     # Shared steps
 
-    def _step_prompts(self, step: int, round_index: int = 0) -> list[Prompt]:
-        """This rank's share of the step's prompts (the global list is identical on every rank)."""
+    def _step_samples(self, step: int, round_index: int = 0) -> tuple[list[Prompt], list[int]]:
+        """The step's group prompts (identical on every rank) and the group id of each of this rank's samples.
+
+        The step's `num_groups_per_step x num_generations` samples are laid out group-major and each rank
+        takes an equal contiguous slice, so a group may straddle ranks; its statistics are gathered in
+        `_advantages`.
+        """
         seed = self.cfg.trainer.seed * 1000 + round_index
-        everyone = prompts_for_step(self.prompts, self.cfg.data.num_groups_per_step, seed, step)
-        start, end = dist.shard_bounds(len(everyone), self.rank, self.world_size)
-        return everyone[start:end]
+        group_prompts = prompts_for_step(self.prompts, self.cfg.data.num_groups_per_step, seed, step)
+        k = self.cfg.data.num_generations
+        start, end = dist.shard_bounds(len(group_prompts) * k, self.rank, self.world_size)
+        return group_prompts, [i // k for i in range(start, end)]
 
     def sample_seed(self, step: int, round_index: int = 0) -> int:
         """Seed of this rank's sampling noise at `step`: a function of (seed, step, round, rank) only."""
@@ -186,7 +189,10 @@ class RewardTrainer:
     def _advantages(
         self, rewards: torch.Tensor, parts: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Group advantages with each group's statistics over the whole group, gathered from every rank."""
+        """Group advantages with each group's statistics over the whole group, gathered from every rank.
+
+        Every rank computes the same global advantages from the same gathered rewards, then keeps its slice.
+        """
         k = self.cfg.data.num_generations
         all_rewards = dist.all_gather_cat(rewards.float())  # [W * N], rank order = global group order
         rewards_gk = all_rewards.view(-1, k)
@@ -204,30 +210,13 @@ class RewardTrainer:
 
     def _build_model(self) -> GLMImageWrapper:
         """Load GLM-Image and place it on this process's device(s), following the plan (never by luck)."""
-        m = self.cfg.model
-        plan: PlacementPlan = plan_placement(
-            m.device_map,
+        wrapper, self.placement = load_for_training(
+            self.cfg.model,
+            self.component,
             distributed=self.is_distributed,
             reason=self.distributed_reason,
             device=dist.choose_device(self.accelerator.local_process_index),
-            max_memory_fraction=m.max_memory_fraction,
         )
-        logger.info("[load] placement: %s", plan.describe())
-        wrapper = GLMImageWrapper(
-            m.name,
-            self.component,
-            parse_dtype(m.dtype),
-            plan.load_device_map,
-            max_memory=plan.max_memory,
-            stage_timeout_s=m.stage_timeout_s,
-            tiny_seed=m.tiny_seed,
-        )
-        check_no_meta(wrapper.components())
-        if plan.move_to is not None:
-            run_stage(f"move components to {plan.move_to}", lambda: wrapper.to(plan.move_to), m.stage_timeout_s)
-        for name, module in wrapper.components().items():
-            logger.info("[load] %s", describe_module(name, module))
-        self.placement = plan
         self.device = next(wrapper.trainable.parameters()).device
         return wrapper
 
@@ -258,7 +247,9 @@ class RewardTrainer:
                 # Full fine-tuning: the KL reference is a frozen copy of the base weights.
                 self.reference = copy.deepcopy(module).requires_grad_(False).eval()
         if self.cfg.model.gradient_checkpointing:
-            enable = getattr(module, "enable_gradient_checkpointing", None) or module.gradient_checkpointing_enable
+            enable = (
+                getattr(module, "enable_gradient_checkpointing", None) or module.gradient_checkpointing_enable
+            )
             enable()
         module.eval()  # no dropout: the recomputed log-probs must equal the rollout's
         num = sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -364,7 +355,11 @@ class RewardTrainer:
             return 0
         path = resolve_resume(resume, self.output_dir)
         step, ema_state = load_checkpoint(
-            path, module=self.trainable, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, rank=self.rank
+            path,
+            module=self.trainable,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            rank=self.rank,
         )
         if self.ema is not None and ema_state is not None:
             self.ema.load_state_dict(ema_state)
@@ -378,7 +373,10 @@ class RewardTrainer:
         from tqdm.auto import tqdm
 
         return tqdm(
-            total=self.cfg.trainer.num_steps, initial=self.start_step, desc=f"{self.component} GRPO", unit="step"
+            total=self.cfg.trainer.num_steps,
+            initial=self.start_step,
+            desc=f"{self.component} GRPO",
+            unit="step",
         )
 
     def _log_progress(self, bar, record: dict[str, Any]) -> None:

@@ -1,0 +1,410 @@
+"""GRPO/DAPO rollout for the GLM-Image AR model: sample image tokens, record their log-probs, recompute them.
+
+GLM-Image's AR model (`GlmImageForConditionalGeneration`, the pipeline's `vision_language_encoder`) writes,
+for a text prompt, a small preview grid of image tokens and then the large grid (H/32 x W/32) that the DiT
+decodes; `generate()` runs for (preview + large) + 1 steps and the last token is thrown away. For GRPO
+(DeepSeekMath, arXiv 2402.03300) and DAPO (arXiv 2503.14476) the policy is the distribution those tokens are
+*sampled* from, so this module provides the three pieces a token-level policy-gradient loss needs:
+
+* `process_logits`: logits -> log-probs of the sampling distribution (codebook mask, temperature, top-k,
+  top-p, with the order and tie rules of transformers' `TemperatureLogitsWarper`, `TopKLogitsWarper`,
+  `TopPLogitsWarper`).
+* `sample_image_tokens`: the pipeline's own `generate()` call, with that processing as its only logits
+  processor, recording per-token log-probs and the M-RoPE positions the model used.
+* `teacher_forced_log_probs`: the same log-probs recomputed with gradients in one forward pass over the whole
+  sequence.
+
+Sampling applies `process_logits` itself (transformers' own warpers are switched off), so the distribution
+tokens are drawn from is by construction the one recomputed under teacher forcing; the warpers' semantics are
+kept (see tests) so that `SamplingParams.from_pipeline` reproduces what `GlmImagePipeline` samples.
+
+Positions. GLM-Image uses 3-row M-RoPE positions (temporal, height, width). At prefill the model computes
+them for the prompt and caches per-sample positions for the tokens it will generate (each target grid laid
+out in 2D); a forward over prompt + generated tokens *without* `position_ids` would treat the generated tokens
+as text and give different logits. `sample_image_tokens` therefore records the `position_ids` that
+`generate()` passes to the text model at every step (a forward pre-hook on `model.get_decoder()`), and the
+teacher-forced forward passes them back explicitly. Model internals relied on, guarded by
+tests/test_ar_logprobs.py: `get_decoder()` is the text model; it receives `position_ids` of shape (3, B, S) as
+a keyword argument at every step of `generate()`; an explicit `position_ids` makes the model skip its own
+position computation. No private attribute is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import LogitsProcessor, LogitsProcessorList
+
+# transformers' defaults for the sampling knobs that neither the pipeline nor a generation_config may set:
+# GlmImagePipeline passes only do_sample=True, so an unset top_k means top-k 50.
+HF_DEFAULT_TEMPERATURE = 1.0
+HF_DEFAULT_TOP_P = 1.0
+HF_DEFAULT_TOP_K = 50
+
+# Passed to generate() so that transformers adds no logits processor of its own: the only change to the
+# logits is `_SamplingLogitsProcessor`. Each value is the one that makes transformers skip the processor.
+_NEUTRAL_GENERATION_KWARGS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "remove_invalid_values": False,
+    "renormalize_logits": False,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+}
+# generation_config fields that cannot be neutralised per call: their neutral value is None (a None passed to
+# generate() is replaced by the model's own value), or overriding them makes transformers warn.
+_MUST_BE_NEUTRAL: dict[str, tuple] = {
+    "min_p": (None,),
+    "top_h": (None,),
+    "bad_words_ids": (None,),
+    "sequence_bias": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "watermarking_config": (None,),
+    "guidance_scale": (None, 1.0),
+    "min_new_tokens": (None, 0),
+}
+
+
+@dataclass
+class SamplingParams:
+    """How image tokens are sampled; the same values must be used when log-probs are recomputed.
+
+    `top_k = 0` and `top_p = 1.0` switch those filters off. `codebook_size`: ids >= this are never sampled
+    (the real AR head has 16512 outputs but only ids below 16384 are VQ codebook entries that the DiT can
+    embed); None leaves every logit of the head.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    codebook_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a positive number, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to switch top-p off.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 to switch top-k off.")
+        if self.codebook_size is not None and self.codebook_size < 1:
+            raise ValueError(f"codebook_size must be positive or None, got {self.codebook_size}.")
+
+    @classmethod
+    def from_pipeline(cls, pipeline) -> SamplingParams:
+        """The distribution `GlmImagePipeline` itself samples from, with the codebook mask added.
+
+        The pipeline calls `generate(do_sample=True)` with nothing else, so temperature, top-p and top-k
+        come from the AR model's generation_config and, where it leaves them unset, transformers' defaults
+        (top-k 50 included). The codebook size is the DiT's prior vocabulary.
+        """
+        config = pipeline.vision_language_encoder.generation_config
+
+        def resolved(name: str, default):
+            value = getattr(config, name, None)
+            return default if value is None else value
+
+        return cls(
+            temperature=float(resolved("temperature", HF_DEFAULT_TEMPERATURE)),
+            top_p=float(resolved("top_p", HF_DEFAULT_TOP_P)),
+            top_k=int(resolved("top_k", HF_DEFAULT_TOP_K)),
+            codebook_size=int(pipeline.transformer.config.prior_vq_quantizer_codebook_size),
+        )
+
+
+def _filtered_logits(logits: Tensor, params: SamplingParams, keep_ids: Tensor | None = None) -> Tensor:
+    """float32 logits [..., V] after codebook mask, temperature, top-k, top-p (filtered entries -inf).
+
+    The same operations, in the same order, as transformers' warpers, so that on the same input the result is
+    bitwise identical to theirs. The filter masks are computed without gradients; gradients flow through the
+    kept entries only.
+    """
+    logits = logits.float()
+    vocab_size = logits.shape[-1]
+    if params.codebook_size is not None and params.codebook_size < vocab_size:
+        outside = torch.arange(vocab_size, device=logits.device) >= params.codebook_size
+        logits = logits.masked_fill(outside, -math.inf)
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    if params.top_k == 0 and params.top_p >= 1.0:
+        return logits
+
+    keep = None
+    if keep_ids is not None:
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, keep_ids.unsqueeze(-1), True)
+    if params.top_k > 0:
+        with torch.no_grad():
+            kth_largest = torch.topk(logits, min(params.top_k, vocab_size), dim=-1).values[..., -1:]
+            remove = logits < kth_largest  # ties with the k-th value are all kept
+            if keep is not None:
+                remove &= ~keep
+        logits = logits.masked_fill(remove, -math.inf)
+    if params.top_p < 1.0:
+        with torch.no_grad():
+            sorted_logits, sorted_indices = torch.sort(logits, dim=-1, descending=False)
+            cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            sorted_remove = cumulative_probs <= (1 - params.top_p)
+            sorted_remove[..., -1:] = False  # the most likely token always stays
+            remove = sorted_remove.scatter(-1, sorted_indices, sorted_remove)
+            if keep is not None:
+                remove &= ~keep
+        logits = logits.masked_fill(remove, -math.inf)
+    return logits
+
+
+def process_logits(logits_btv: Tensor, params: SamplingParams, keep_ids_bt: Tensor | None = None) -> Tensor:
+    """Log-probs [B, T, V] (float32) of the distribution tokens are sampled from.
+
+    Applies, in transformers' order: the codebook mask (ids >= `codebook_size` get -inf), division by the
+    temperature, top-k (ties with the k-th largest value are kept), top-p (the smallest set of most likely
+    tokens whose probability exceeds `top_p`, with transformers' tie-breaking by sort order), then
+    `log_softmax`. Filtered tokens have log-prob -inf.
+
+    `keep_ids_bt` [B, T]: ids exempt from top-k and top-p (never from the codebook mask). Pass the recorded
+    tokens when recomputing log-probs: after the policy moves, a token sampled earlier can fall outside the
+    top-k / top-p set of the new logits and would get log-prob -inf (an infinite ratio); exempting it keeps it
+    finite. Where the token survives the filters anyway, as at sampling time, the result is unchanged.
+    """
+    return torch.log_softmax(_filtered_logits(logits_btv, params, keep_ids_bt), dim=-1)
+
+
+class _SamplingLogitsProcessor(LogitsProcessor):
+    """The whole sampling transform of `SamplingParams`, as the one logits processor of `generate()`."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # Filtered logits rather than log-probs: generate() samples from softmax(scores), which then matches
+        # transformers' own warpers bit for bit.
+        return _filtered_logits(scores, self.params)
+
+
+@dataclass
+class ARSamples:
+    """B sequences; everything on CPU."""
+
+    input_ids: Tensor  # [B, L] prompt + generated (left-padded prompts)
+    attention_mask: Tensor  # [B, L]
+    position_ids: Tensor  # [3, B, L] M-RoPE positions generate() used
+    # [B, L] bool: True exactly on generated image tokens (preview + large grid; not the trailing extra token,
+    # not prompt or padding)
+    completion_mask: Tensor
+    # [B, L] float32 log-prob of each generated token under the sampling distribution, recorded during
+    # generate() (0 elsewhere)
+    sampling_log_probs: Tensor
+    prior_token_ids: Tensor  # [B, 4 * (H/32) * (W/32)] upsampled large-grid tokens for the DiT
+    image_grid_thw: Tensor  # [B * num_grids, 3] per-sample grids (large, preview), packed along dim 0
+    extra: dict[str, Tensor] = field(default_factory=dict)  # other forward inputs (e.g. images_per_sample)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _check_generation_config(model) -> None:
+    """Refuse generation_config settings that would reshape the logits behind `process_logits`' back."""
+    config = model.generation_config
+    for name, neutral in _MUST_BE_NEUTRAL.items():
+        value = getattr(config, name, None)
+        if value not in neutral:
+            raise ValueError(
+                f"The AR model's generation_config sets {name}={value!r}, which would change the sampling "
+                "distribution without being reproduced when log-probs are recomputed. Set "
+                f"`pipeline.vision_language_encoder.generation_config.{name} = None` before sampling."
+            )
+
+
+def _upsample_grid_2x(tokens_bn: Tensor, grid_h: int, grid_w: int) -> Tensor:
+    """[B, h*w] row-major grid -> [B, 4*h*w]: each token repeated into a 2x2 block (nearest upsampling)."""
+    grid = tokens_bn.view(-1, grid_h, grid_w)
+    return grid.repeat_interleave(2, dim=1).repeat_interleave(2, dim=2).reshape(tokens_bn.shape[0], -1)
+
+
+@torch.no_grad()
+def sample_image_tokens(
+    pipeline, prompts: list[str], height: int, width: int, params: SamplingParams, seed: int
+) -> ARSamples:
+    """Sample one token sequence per prompt (text-to-image) with the pipeline's AR model.
+
+    The caller repeats each prompt `num_generations` times. Prompts are tokenized exactly as
+    `GlmImagePipeline.generate_prior_tokens` does (left-padded batch). Sampling is seeded like the pipeline
+    (`torch.manual_seed(seed)`, which also seeds the model's accelerator), inside `torch.random.fork_rng`
+    so that the caller's RNG state is left as it was: with `SamplingParams.from_pipeline(pipeline)` the
+    tokens equal the pipeline's for the same seed. Returns everything on CPU.
+    """
+    if height % 32 or width % 32:
+        raise ValueError(f"height and width must be multiples of 32, got {height}x{width}.")
+    if not prompts:
+        raise ValueError("prompts is empty.")
+    model = pipeline.vision_language_encoder
+    _check_generation_config(model)
+    device = _module_device(model)
+
+    messages = [[{"role": "user", "content": [{"type": "text", "text": prompt}]}] for prompt in prompts]
+    inputs = pipeline.processor.apply_chat_template(
+        messages,
+        tokenize=True,
+        padding=len(prompts) > 1,
+        target_h=height,
+        target_w=width,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
+    batch_size, num_prompt_tokens = prompt_ids.shape
+    if not bool(prompt_mask[:, -1].all()):
+        raise ValueError(
+            "The AR tokenizer pads on the right; generated tokens would not start at a common position. "
+            "Set `pipeline.processor.tokenizer.padding_side = 'left'`."
+        )
+
+    # Per-sample target grids as the processor lists them: the large (H/32 x W/32) grid first, then the
+    # preview. generate() writes them in reverse order (preview first), then one extra token.
+    image_grid_thw = inputs["image_grid_thw"]
+    num_grids = image_grid_thw.shape[0] // batch_size
+    grid_sizes = [int(h * w) for _, h, w in image_grid_thw[:num_grids].tolist()]
+    large_h, large_w = (int(x) for x in image_grid_thw[0, 1:])
+    if (large_h, large_w) != (height // 32, width // 32):
+        grids = image_grid_thw[:num_grids].tolist()
+        raise RuntimeError(f"Unexpected target grids {grids} for {height}x{width}.")
+    num_grid_tokens = sum(grid_sizes)
+    large_offset = num_grid_tokens - grid_sizes[0]
+    max_new_tokens = num_grid_tokens + 1
+
+    recorded_positions: list[Tensor] = []
+
+    def record_positions(module, args, kwargs):
+        recorded_positions.append(kwargs.get("position_ids"))
+
+    hook = model.get_decoder().register_forward_pre_hook(record_positions, with_kwargs=True)
+    fork_devices = [device] if device.type != "cpu" else []
+    try:
+        with torch.random.fork_rng(devices=fork_devices, device_type=device.type if fork_devices else "cuda"):
+            torch.manual_seed(seed)
+            outputs = model.generate(
+                **{key: value.to(device) for key, value in inputs.items()},
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                logits_processor=LogitsProcessorList([_SamplingLogitsProcessor(params)]),
+                output_scores=True,
+                return_dict_in_generate=True,
+                **_NEUTRAL_GENERATION_KWARGS,
+            )
+    finally:
+        hook.remove()
+
+    sequences = outputs.sequences.cpu()
+    total_length = num_prompt_tokens + max_new_tokens
+    if sequences.shape != (batch_size, total_length):
+        raise RuntimeError(
+            f"generate() returned {tuple(sequences.shape)} tokens, expected {(batch_size, total_length)}: a "
+            "sequence ended early (image-end sampled?). Set SamplingParams.codebook_size to the DiT's prior "
+            "vocabulary size so that only codebook tokens can be sampled."
+        )
+    generated = sequences[:, num_prompt_tokens:]
+    prior_vocab = int(pipeline.transformer.config.prior_vq_quantizer_codebook_size)
+    if int(generated[:, :num_grid_tokens].max()) >= prior_vocab:
+        raise RuntimeError(
+            f"Sampled a token id >= {prior_vocab}, outside the DiT's prior vocabulary. Set "
+            f"SamplingParams.codebook_size={prior_vocab}."
+        )
+
+    # Positions: prefill (3, B, L0), then one (3, B, 1) per decode step. The last token is sampled but never
+    # fed back, so generate() used no position for it; its column repeats the previous one and is never read.
+    if any(pos is None or pos.dim() != 3 or pos.shape[0] != 3 for pos in recorded_positions):
+        raise RuntimeError(
+            "transformers no longer passes (3, B, S) M-RoPE position_ids to GLM-Image's text model during "
+            "generate(); glm_training.rollout.ar needs updating for this transformers version."
+        )
+    position_ids = torch.cat([pos.cpu() for pos in recorded_positions], dim=-1)
+    if position_ids.shape != (3, batch_size, total_length - 1):
+        raise RuntimeError(
+            f"Recorded positions of shape {tuple(position_ids.shape)}, expected "
+            f"{(3, batch_size, total_length - 1)}; glm_training.rollout.ar needs updating."
+        )
+    position_ids = torch.cat([position_ids, position_ids[:, :, -1:]], dim=-1)
+
+    completion_mask = torch.zeros(batch_size, total_length, dtype=torch.bool)
+    completion_mask[:, num_prompt_tokens : num_prompt_tokens + num_grid_tokens] = True
+    sampling_log_probs = torch.zeros(batch_size, total_length, dtype=torch.float32)
+    for step in range(num_grid_tokens):
+        step_log_probs = torch.log_softmax(outputs.scores[step].float(), dim=-1).cpu()
+        token = generated[:, step : step + 1]
+        sampling_log_probs[:, num_prompt_tokens + step] = step_log_probs.gather(-1, token).squeeze(-1)
+
+    large_grid = generated[:, large_offset : large_offset + large_h * large_w]
+    own_fields = ("input_ids", "attention_mask", "image_grid_thw")
+    extra = {key: value for key, value in inputs.items() if key not in own_fields}
+    return ARSamples(
+        input_ids=sequences,
+        attention_mask=torch.cat(
+            [prompt_mask, torch.ones(batch_size, max_new_tokens, dtype=prompt_mask.dtype)], dim=1
+        ),
+        position_ids=position_ids,
+        completion_mask=completion_mask,
+        sampling_log_probs=sampling_log_probs,
+        prior_token_ids=_upsample_grid_2x(large_grid, large_h, large_w),
+        image_grid_thw=image_grid_thw,
+        extra=extra,
+    )
+
+
+def teacher_forced_log_probs(model: nn.Module, samples: ARSamples, params: SamplingParams) -> Tensor:
+    """Log-probs [B, L] (float32, on the model's device, differentiable) of the sampled tokens.
+
+    One forward pass over prompt + generated tokens with the positions, attention mask and grids generation
+    used, then `process_logits` with `keep_ids` = the tokens themselves. 0 where `completion_mask` is False.
+    Only the positions up to the last completion token are fed, and logits are computed only for the
+    completion span (`logits_to_keep`). `model` may be wrapped (DDP, peft): it is called with keyword
+    arguments only.
+    """
+    device = _module_device(model)
+    completion_columns = samples.completion_mask.any(dim=0).nonzero().squeeze(-1)
+    if completion_columns.numel() == 0:
+        raise ValueError("samples.completion_mask is empty: no generated tokens to score.")
+    first, last = int(completion_columns[0]), int(completion_columns[-1])
+    num_scored = last - first + 1
+    # Logits at position i predict token i + 1: feeding tokens [0, last) yields the predictions of
+    # tokens [first, last] in the final `num_scored` positions.
+    outputs = model(
+        input_ids=samples.input_ids[:, :last].to(device),
+        attention_mask=samples.attention_mask[:, :last].to(device),
+        position_ids=samples.position_ids[:, :, :last].to(device),
+        image_grid_thw=samples.image_grid_thw.to(device),
+        logits_to_keep=num_scored,
+        use_cache=False,
+        **{key: value.to(device) for key, value in samples.extra.items()},
+    )
+    logits_btv = outputs.logits
+    targets_bt = samples.input_ids[:, first : last + 1].to(device)
+    log_probs_btv = process_logits(logits_btv, params, keep_ids_bt=targets_bt)
+    log_probs_bt = log_probs_btv.gather(-1, targets_bt[..., None]).squeeze(-1)
+    mask_bt = samples.completion_mask[:, first : last + 1].to(device)
+    # where, not multiply: a filtered-out token outside the mask would give -inf * 0 = nan.
+    log_probs_bt = torch.where(mask_bt, log_probs_bt, 0.0)
+    batch_size, length = samples.input_ids.shape
+    return torch.cat(
+        [
+            log_probs_bt.new_zeros(batch_size, first),
+            log_probs_bt,
+            log_probs_bt.new_zeros(batch_size, length - last - 1),
+        ],
+        dim=1,
+    )

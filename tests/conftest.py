@@ -1,0 +1,65 @@
+"""Shared test set-up: offline, one tiny GLM-Image per session, subprocess helpers for the entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# An accidental download fails at once instead of hanging.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+# Tiny models: one intra-op thread is faster than two, and leaves a core for the other process of a
+# 2-rank torchrun test.
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory) -> Path:
+    """A session-wide cache for the tiny model, shared by in-process code and by subprocesses (env var)."""
+    path = tmp_path_factory.mktemp("glm_cache")
+    os.environ["GLM_TRAINING_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_cache) -> Path:
+    from glm_training.models.tiny import ensure_tiny_pipeline
+
+    return ensure_tiny_pipeline()
+
+
+def run_cli(args: list[str], *, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command from the repository root with the test environment; never hangs past `timeout`."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def torchrun(
+    script: str, args: list[str], *, nproc: int = 2, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """A real multi-process launch (gloo on CPU) of `script` with `args`."""
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_port=0",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        script,
+        *args,
+    ]
+    return run_cli(cmd, timeout=timeout)

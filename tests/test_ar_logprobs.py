@@ -1,0 +1,329 @@
+"""AR rollout: sampling log-probs vs teacher forcing, grids and prior tokens, HF warper parity, positions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from diffusers import GlmImagePipeline
+from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from glm_training.models.tiny import NUM_VISION_TOKENS
+from glm_training.rollout.ar import (
+    HF_DEFAULT_TEMPERATURE,
+    HF_DEFAULT_TOP_K,
+    HF_DEFAULT_TOP_P,
+    SamplingParams,
+    process_logits,
+    sample_image_tokens,
+    teacher_forced_log_probs,
+)
+
+# Two prompts of different lengths, each twice (a GRPO group of 2): the batch is left-padded.
+PROMPTS = ["a red cat", "a sign that says 'hello there'"] * 2
+HEIGHT = WIDTH = 64  # large grid 2x2, preview grid 16x16
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir) -> GlmImagePipeline:
+    return GlmImagePipeline.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def samples(pipeline):
+    params = SamplingParams.from_pipeline(pipeline)
+    return sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0)
+
+
+def num_prompt_tokens(samples) -> int:
+    return int(samples.completion_mask.long().argmax(dim=1)[0])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# process_logits
+
+
+def hf_log_probs(logits_nv: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' warpers in generate()'s order, each only where generate() would add it."""
+    scores = logits_nv.float()
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k != 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.log_softmax(scores, dim=-1)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 20, 1.0), (0.9, 50, 0.75), (1.0, 5, 0.3), (2.0, 64, 0.95)],
+)
+def test_process_logits_matches_hf_warpers_bitwise(temperature, top_k, top_p):
+    generator = torch.Generator().manual_seed(0)
+    # Values on a grid of 0.25 produce many exact ties, at the top-k boundary and inside the top-p sort.
+    logits_btv = (torch.randn(3, 7, 64, generator=generator) * 8).round() / 4
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+
+    ours = process_logits(logits_btv, params)
+    # Row by row, as generate() sees them ([B, V] per step), and all rows at once.
+    steps = [hf_log_probs(logits_btv[:, t], temperature, top_k, top_p) for t in range(7)]
+    per_step = torch.stack(steps, dim=1)
+    flat = hf_log_probs(logits_btv.reshape(21, 64), temperature, top_k, top_p).view(3, 7, 64)
+    assert ours.dtype == torch.float32 and ours.shape == (3, 7, 64)
+    torch.testing.assert_close(ours, per_step, rtol=0, atol=0)
+    torch.testing.assert_close(ours, flat, rtol=0, atol=0)
+
+
+def test_process_logits_golden_values():
+    # probs 0.1, 0.2, 0.3, 0.4 over 4 tokens.
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0]).log().view(1, 1, 4)
+    # top_p 0.5: ascending cumulative probs 0.1, 0.3, 0.6, 1.0; those <= 1 - 0.5 go,
+    # leaving probs 0.3 and 0.4 -> 3/7 and 4/7.
+    expected_top_p = torch.tensor([-math.inf, -math.inf, math.log(3 / 7), math.log(4 / 7)])
+    torch.testing.assert_close(process_logits(logits, SamplingParams(top_p=0.5))[0, 0], expected_top_p)
+    # top_k 3: keep 2, 3, 4 -> 2/9, 3/9, 4/9.
+    expected_top_k = torch.tensor([-math.inf, math.log(2 / 9), math.log(3 / 9), math.log(4 / 9)])
+    torch.testing.assert_close(process_logits(logits, SamplingParams(top_k=3))[0, 0], expected_top_k)
+    # temperature 0.5 squares the probabilities: 1, 4, 9, 16 over 30.
+    expected_temp = torch.tensor([1.0, 4.0, 9.0, 16.0]).div(30).log()
+    torch.testing.assert_close(process_logits(logits, SamplingParams(temperature=0.5))[0, 0], expected_temp)
+    # codebook 2 leaves tokens 0 and 1: 1/3, 2/3.
+    expected_codebook = torch.tensor([math.log(1 / 3), math.log(2 / 3), -math.inf, -math.inf])
+    codebook = process_logits(logits, SamplingParams(codebook_size=2))[0, 0]
+    torch.testing.assert_close(codebook, expected_codebook)
+
+
+def test_process_logits_gradient():
+    # d log p_i / d logit_j = (1[i == j] - p_j) / T on kept tokens, 0 on filtered ones.
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0]).log().view(1, 1, 4).requires_grad_()
+    process_logits(logits, SamplingParams(temperature=0.5, top_k=3))[0, 0, 3].backward()
+    probs = torch.tensor([0.0, 4.0, 9.0, 16.0]) / 29
+    expected = (torch.tensor([0.0, 0.0, 0.0, 1.0]) - probs) / 0.5
+    expected[0] = 0.0
+    torch.testing.assert_close(logits.grad[0, 0], expected)
+
+
+def test_keep_ids_exempts_recorded_tokens_from_filters_only():
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).view(1, 1, 6)
+    params = SamplingParams(top_k=2, codebook_size=5)  # top-2 of the codebook: ids 3 and 4
+    plain = process_logits(logits, params)[0, 0]
+    assert torch.isinf(plain[:3]).all() and torch.isfinite(plain[3:5]).all() and plain[5] == -math.inf
+
+    kept = process_logits(logits, params, keep_ids_bt=torch.tensor([[0]]))[0, 0]
+    assert torch.isfinite(kept[0]) and torch.isinf(kept[1:3]).all()
+    torch.testing.assert_close(kept[[0, 3, 4]].exp().sum(), torch.tensor(1.0))
+    # The codebook mask is never lifted.
+    assert process_logits(logits, params, keep_ids_bt=torch.tensor([[5]]))[0, 0, 5] == -math.inf
+    # Keeping a token that survives the filters anyway changes nothing.
+    torch.testing.assert_close(process_logits(logits, params, keep_ids_bt=torch.tensor([[4]]))[0, 0], plain)
+
+    top_p = SamplingParams(top_p=0.5)
+    kept_p = process_logits(logits, top_p, keep_ids_bt=torch.tensor([[1]]))[0, 0]
+    assert torch.isfinite(kept_p[1]) and torch.isinf(process_logits(logits, top_p)[0, 0, 1])
+
+
+def test_codebook_mask_on_wide_head():
+    # Real-model layout in small: a 12-logit head whose ids >= 8 are specials.
+    logits = torch.randn(2, 3, 12, generator=torch.Generator().manual_seed(1))
+    log_probs = process_logits(logits, SamplingParams(temperature=0.8, top_p=0.9, codebook_size=8))
+    assert (log_probs[..., 8:] == -math.inf).all()
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2, 3))
+    reference = process_logits(logits[..., :8], SamplingParams(temperature=0.8, top_p=0.9))
+    torch.testing.assert_close(log_probs[..., :8], reference)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"codebook_size": 0}]
+)
+def test_sampling_params_validate(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_from_pipeline_resolves_hf_defaults(pipeline):
+    # Guard: the pipeline passes only do_sample=True, so unset knobs fall back to transformers' defaults.
+    defaults = GenerationConfig()._get_default_generation_params()
+    assert (defaults["temperature"], defaults["top_p"], defaults["top_k"]) == (
+        HF_DEFAULT_TEMPERATURE,
+        HF_DEFAULT_TOP_P,
+        HF_DEFAULT_TOP_K,
+    )
+    params = SamplingParams.from_pipeline(pipeline)
+    assert params == SamplingParams(temperature=0.9, top_p=0.75, top_k=50, codebook_size=NUM_VISION_TOKENS)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sampling and teacher forcing
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.3, top_k=20),
+    ],
+    ids=["plain", "temp0.7-topp0.8", "temp1.3-topk20"],
+)
+def test_teacher_forced_matches_sampling_log_probs(pipeline, params):
+    samples = sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=1)
+    assert not samples.attention_mask[:, 0].all(), "the batch should be left-padded"
+    with torch.no_grad():
+        log_probs = teacher_forced_log_probs(pipeline.vision_language_encoder, samples, params)
+    mask = samples.completion_mask
+    assert log_probs.dtype == torch.float32 and log_probs.shape == samples.input_ids.shape
+    assert torch.isfinite(log_probs).all() and (log_probs[~mask] == 0).all()
+    assert (samples.sampling_log_probs[~mask] == 0).all()
+    torch.testing.assert_close(log_probs[mask], samples.sampling_log_probs[mask], rtol=0, atol=1e-5)
+
+
+def test_teacher_forced_is_deterministic_and_differentiable(pipeline, samples):
+    model = pipeline.vision_language_encoder
+    params = SamplingParams.from_pipeline(pipeline)
+    model.zero_grad(set_to_none=True)
+    try:
+        first = teacher_forced_log_probs(model, samples, params)
+        second = teacher_forced_log_probs(model, samples, params)
+        assert torch.equal(first, second)
+        assert (torch.exp(first - second)[samples.completion_mask] == 1).all()
+
+        first[samples.completion_mask].mean().backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        assert grads["lm_head.weight"].abs().sum() > 0
+        assert grads["model.language_model.embed_tokens.weight"].abs().sum() > 0
+        # Left-padded rows must not leak nan into the gradients.
+        assert all(torch.isfinite(grad).all() for grad in grads.values())
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+# Preview grid (the processor's ~256-token grid of the same aspect ratio) + large grid (H/32 x W/32).
+@pytest.mark.parametrize(
+    "height, width, num_grid_tokens", [(64, 64, 16 * 16 + 2 * 2), (64, 96, 13 * 19 + 2 * 3)]
+)
+def test_completion_mask_covers_exactly_the_grid_tokens(pipeline, height, width, num_grid_tokens):
+    samples = sample_image_tokens(pipeline, PROMPTS[:2], height, width, SamplingParams(), seed=0)
+    grids = samples.image_grid_thw[: int(samples.extra["images_per_sample"][0])]
+    max_new_tokens, _, _, _ = GlmImagePipeline._compute_generation_params(grids, is_text_to_image=True)
+    # The pipeline's trailing extra token is not a completion token.
+    assert num_grid_tokens == max_new_tokens - 1
+    length = samples.input_ids.shape[1]
+    prompt_len = length - max_new_tokens
+    expected = torch.zeros_like(samples.completion_mask)
+    expected[:, prompt_len : prompt_len + num_grid_tokens] = True
+    assert torch.equal(samples.completion_mask, expected)
+    assert samples.completion_mask.sum(1).tolist() == [num_grid_tokens] * 2
+    assert samples.prior_token_ids.shape == (2, 4 * (height // 32) * (width // 32))
+
+
+def test_prior_token_ids_match_pipeline_extraction(pipeline, samples):
+    grids = samples.image_grid_thw[: int(samples.extra["images_per_sample"][0])]
+    _, offset, token_h, token_w = GlmImagePipeline._compute_generation_params(grids, is_text_to_image=True)
+    prompt_len = num_prompt_tokens(samples)
+    for row in range(len(PROMPTS)):
+        large = GlmImagePipeline._extract_large_image_tokens(
+            samples.input_ids[row : row + 1], prompt_len, offset, token_h * token_w
+        )
+        expected = GlmImagePipeline._upsample_token_ids(large, token_h, token_w)
+        assert torch.equal(samples.prior_token_ids[row : row + 1], expected)
+    assert (samples.prior_token_ids < pipeline.transformer.config.prior_vq_quantizer_codebook_size).all()
+
+
+def test_same_tokens_as_the_pipeline_for_the_same_seed(pipeline, samples):
+    # `samples` used SamplingParams.from_pipeline and seed 0; the pipeline seeds torch from the generator.
+    prior_token_ids, _, _ = pipeline.generate_prior_tokens(
+        PROMPTS, HEIGHT, WIDTH, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0)
+    )
+    assert torch.equal(samples.prior_token_ids, prior_token_ids)
+
+
+def test_sampling_is_seeded_and_leaves_the_callers_rng_alone(pipeline, samples):
+    params = SamplingParams.from_pipeline(pipeline)
+    rng_state = torch.get_rng_state()
+    again = sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    assert torch.equal(again.input_ids, samples.input_ids)
+    assert torch.equal(again.sampling_log_probs, samples.sampling_log_probs)
+    other = sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=1)
+    assert not torch.equal(other.input_ids, samples.input_ids)
+
+
+def test_rejects_generation_config_that_reshapes_logits(pipeline):
+    config = pipeline.vision_language_encoder.generation_config
+    config.min_p = 0.1
+    try:
+        with pytest.raises(ValueError, match="min_p"):
+            sample_image_tokens(pipeline, PROMPTS[:1], HEIGHT, WIDTH, SamplingParams(), seed=0)
+    finally:
+        config.min_p = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# M-RoPE positions: the model internals the rollout relies on
+
+
+def test_positions_guard(pipeline, samples):
+    """Fails loudly if transformers changes what teacher forcing relies on.
+
+    (1) `generate()` hands the text model (`get_decoder()`) (3, B, S) `position_ids`; `sample_image_tokens`
+    records them. (2) They follow GLM-Image's layout: text positions count valid prompt tokens; each generated
+    grid (preview first, then large) sits at one temporal position `p`, heights `p + row`, widths `p + col`,
+    and the next grid starts at `p + max(h, w)`. (3) They agree with the model's own prefill computation
+    (`get_rope_index` and its decode cache). (4) An explicit `position_ids` is used as given: the
+    teacher-forced logits equal generate()'s, whereas the model's own positions for the full sequence are
+    different.
+    """
+    model = pipeline.vision_language_encoder
+    assert model.get_decoder() is model.model.language_model
+    positions = samples.position_ids
+    batch_size, length = samples.input_ids.shape
+    assert positions.shape == (3, batch_size, length)
+
+    prompt_len = num_prompt_tokens(samples)
+    for row in range(batch_size):
+        valid = samples.attention_mask[row, :prompt_len].bool()
+        num_valid = int(valid.sum())
+        assert torch.equal(positions[:, row, :prompt_len][:, valid], torch.arange(num_valid).expand(3, -1))
+        expected = []
+        start = num_valid
+        for h, w in [(16, 16), (2, 2)]:  # preview, then large (64x64)
+            rows = torch.arange(h).repeat_interleave(w)
+            cols = torch.arange(w).repeat(h)
+            expected.append(torch.stack([torch.full((h * w,), start), start + rows, start + cols]))
+            start += max(h, w)
+        expected = torch.cat(expected, dim=1)
+        generated = positions[:, row, prompt_len : prompt_len + expected.shape[1]]
+        assert torch.equal(generated, expected)
+
+    # (3) The model's own computation, as the prefill of generate() runs it.
+    inner = model.model
+    prompt_positions, _ = inner.get_rope_index(
+        samples.input_ids[:, :prompt_len],
+        image_grid_thw=samples.image_grid_thw,
+        images_per_sample=samples.extra["images_per_sample"],
+        attention_mask=samples.attention_mask[:, :prompt_len],
+    )
+    assert torch.equal(positions[:, :, :prompt_len], prompt_positions)
+    decode_positions = inner._cached_decode_position_ids.permute(1, 0, 2)  # [3, B, max_new_tokens]
+    assert torch.equal(positions[:, :, prompt_len:-1], decode_positions[:, :, :-1])
+
+    # (4) Explicit positions are honoured; the model's own full-sequence positions are not generate()'s.
+    params = SamplingParams.from_pipeline(pipeline)
+    with torch.no_grad():
+        log_probs = teacher_forced_log_probs(model, samples, params)
+        mask = samples.completion_mask
+        torch.testing.assert_close(log_probs[mask], samples.sampling_log_probs[mask], rtol=0, atol=1e-5)
+        inputs = {
+            "input_ids": samples.input_ids,
+            "attention_mask": samples.attention_mask,
+            "image_grid_thw": samples.image_grid_thw,
+            **samples.extra,
+        }
+        own = model(**inputs, position_ids=None, use_cache=False).logits
+        given = model(**inputs, position_ids=samples.position_ids, use_cache=False).logits
+    # Sensitivity of the check above. Should this fail, transformers now derives generate()'s positions for a
+    # full sequence itself; explicit positions stay correct, and this line can go.
+    window = slice(prompt_len, length - 1)
+    assert (own[:, window] - given[:, window]).abs().max() > 1e-4

@@ -1,0 +1,95 @@
+"""Configs: every YAML composes into the typed config; bad input exits non-zero, naming the key, before loading."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import PYTHON, REPO, run_cli
+
+from glm_training.config import (
+    ARTrainConfig,
+    ConfigError,
+    DiTTrainConfig,
+    load_config,
+)
+
+CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs_for_both_trainers():
+    assert {"t2i_training.yaml", "ar_training.yaml"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("model", ["tiny", "glm_image"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_yaml_composes_to_the_typed_config(name, model):
+    cfg = load_config(["--config", f"configs/{name}", f"model={model}"], "t2i_training")
+    expected = ARTrainConfig if name.startswith("ar") else DiTTrainConfig
+    assert isinstance(cfg, expected)
+    assert cfg.model.name == ("tiny" if model == "tiny" else "zai-org/GLM-Image")
+    assert cfg.sampling.height % 32 == 0
+
+
+def test_both_spellings_give_the_same_config():
+    a = load_config(["--config", "configs/t2i_training.yaml", "algo.beta=0.04"], "ar_training")
+    b = load_config(["--config-name", "t2i_training", "algo.beta=0.04"], "ar_training")
+    c = load_config(["--config-name=t2i_training", "algo.beta=0.04"], "ar_training")
+    assert a == b == c
+    assert a.algo.beta == 0.04
+
+
+def test_a_config_file_outside_configs_still_finds_the_model_group(tmp_path):
+    custom = tmp_path / "mine.yaml"
+    custom.write_text("defaults:\n  - dit_schema\n  - model: glm_image\n  - _self_\nrun_name: mine\n")
+    cfg = load_config(["--config", str(custom)], "t2i_training")
+    assert cfg.run_name == "mine" and cfg.model.name == "zai-org/GLM-Image"
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fix"),
+    [
+        ("algo.clip_rnge=0.1", "algo.clip_rnge", "algo.clip_range"),
+        ("modle.name=x", "modle", "model"),
+        ("algo.beta=abc", "algo.beta", "could not be converted"),
+        ("sampling.height=65", "sampling.height", "multiple of 32"),
+        ("sampling.width=100", "sampling.width", "try 96"),
+        ("sampling.sde_type=ddim", "sampling.sde_type", "flow_sde"),
+        ("reward.weights=[1.0,2.0]", "reward.weights", "one per name"),
+        ("model.device_map=gpu", "model.device_map", "'cuda'"),
+        ("data.num_generations=1", "data.num_generations", ">= 2"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(override, key, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config([override], "t2i_training")
+    assert err.value.key == key
+    assert fix in str(err.value)
+
+
+def test_missing_required_value_is_named(tmp_path):
+    custom = tmp_path / "missing.yaml"
+    custom.write_text("defaults:\n  - dit_schema\n  - _self_\nrun_name: no-model\n")
+    with pytest.raises(ConfigError, match="model.name.*required.*model=tiny"):
+        load_config(["--config", str(custom)], "t2i_training")
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "needle"),
+    [
+        ("train_dit.py", ["algo.clip_rnge=0.1"], "algo.clip_range"),
+        ("train_dit.py", ["sampling.height=65"], "sampling.height"),
+        ("train_dit.py", ["--config", "configs/nope.yaml"], "--config"),
+        ("train_ar.py", ["algo.epsilon_hgh=0.3"], "algo.epsilon_high"),
+        ("train_dit.py", ["model.lora.rank=abc"], "model.lora.rank"),
+    ],
+)
+def test_entry_points_exit_nonzero_before_loading_any_model(script, args, needle):
+    start = time.perf_counter()
+    result = run_cli([PYTHON, script, *args], timeout=60)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    assert "[load]" not in result.stderr  # nothing was loaded
+    assert "Traceback" not in result.stderr
+    assert elapsed < 10, f"took {elapsed:.1f} s"
