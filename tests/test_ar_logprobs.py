@@ -250,6 +250,32 @@ def test_sampling_is_seeded_and_leaves_the_callers_rng_alone(pipeline, samples):
     assert not torch.equal(other.input_ids, samples.input_ids)
 
 
+def test_model_generation_config_does_not_reshape_the_sampling_distribution(pipeline):
+    # Knobs that would add transformers logits processors are neutralised per call: the recorded log-probs
+    # still equal the teacher-forced ones computed from `params` alone.
+    config = pipeline.vision_language_encoder.generation_config
+    shaping = {"temperature": 0.3, "top_k": 3, "top_p": 0.3, "repetition_penalty": 1.5, "typical_p": 0.5}
+    shaping |= {
+        "no_repeat_ngram_size": 2,
+        "epsilon_cutoff": 0.01,
+        "eta_cutoff": 0.01,
+        "renormalize_logits": True,
+    }
+    saved = {name: getattr(config, name) for name in shaping}
+    params = SamplingParams(temperature=1.2)
+    try:
+        for name, value in shaping.items():
+            setattr(config, name, value)
+        samples = sample_image_tokens(pipeline, PROMPTS[:2], HEIGHT, WIDTH, params, seed=0)
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+    with torch.no_grad():
+        log_probs = teacher_forced_log_probs(pipeline.vision_language_encoder, samples, params)
+    mask = samples.completion_mask
+    torch.testing.assert_close(log_probs[mask], samples.sampling_log_probs[mask], rtol=0, atol=1e-5)
+
+
 def test_rejects_generation_config_that_reshapes_logits(pipeline):
     config = pipeline.vision_language_encoder.generation_config
     config.min_p = 0.1

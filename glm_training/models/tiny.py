@@ -342,8 +342,26 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "glm_training"
 
 
+_WEIGHT_COMPONENTS = ("text_encoder", "vision_language_encoder", "vae", "transformer")
+
+
 def _is_complete(folder: pathlib.Path) -> bool:
     return (folder / "model_index.json").is_file() and (folder / _COMPLETE_MARKER).is_file()
+
+
+def _check_weights_written(folder: pathlib.Path) -> None:
+    """Every weight-holding component must have its safetensors file before the folder is published.
+
+    transformers' `save_pretrained` silently writes nothing on ranks other than 0 once torch.distributed is
+    initialised; such a copy must never be marked complete.
+    """
+    empty = [c for c in _WEIGHT_COMPONENTS if not any((folder / c).glob("*.safetensors"))]
+    if empty:
+        raise RuntimeError(
+            f"building the tiny GLM-Image wrote no weights for {empty} (transformers saves only on global "
+            "rank 0 under torch.distributed). Build it on rank 0 first (the trainers do), or put "
+            "$GLM_TRAINING_CACHE on a file system every node shares."
+        )
 
 
 def _build_into_place(target: pathlib.Path, seed: int) -> None:
@@ -356,6 +374,7 @@ def _build_into_place(target: pathlib.Path, seed: int) -> None:
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
     try:
         save_tiny_pipeline(staging, seed)
+        _check_weights_written(staging)
         # Written last: a folder with the marker is complete however the writer ended.
         (staging / _COMPLETE_MARKER).write_text(json.dumps({"version": TINY_MODEL_VERSION, "seed": seed}))
         if target.exists() and not _is_complete(target):

@@ -122,11 +122,13 @@ def load_for_training(
     distributed: bool,
     reason: str,
     device: torch.device,
+    model_path: str | None = None,
 ) -> tuple[GLMImageWrapper, PlacementPlan]:
     """Load GLM-Image and place it for training: the one code path for the tiny model and the real one.
 
     Plan (`plan_placement`) -> load with the plan's map -> refuse meta tensors by name -> move only when the
-    plan says so -> log where every component landed.
+    plan says so -> log where every component landed. `model_path`: `model_cfg.name` already resolved
+    (the trainers resolve it on rank 0 first, so the tiny model is built or a checkpoint fetched once).
     """
     from glm_training.models.placement import check_no_meta, describe_module, parse_dtype, plan_placement
 
@@ -139,7 +141,7 @@ def load_for_training(
     )
     logger.info("[load] placement: %s", plan.describe())
     wrapper = GLMImageWrapper(
-        model_cfg.name,
+        model_path or model_cfg.name,
         component,
         parse_dtype(model_cfg.dtype),
         plan.load_device_map,

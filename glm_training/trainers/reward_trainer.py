@@ -42,8 +42,8 @@ from glm_training.checkpoint import (
 from glm_training.config import config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
 from glm_training.metrics import MetricsWriter
-from glm_training.models.placement import describe_module
-from glm_training.models.wrapper import GLMImageWrapper, load_for_training
+from glm_training.models.placement import describe_module, run_stage
+from glm_training.models.wrapper import GLMImageWrapper, load_for_training, resolve_model_path
 from glm_training.rewards import RewardSet
 
 logger = logging.getLogger("glm_training")
@@ -210,12 +210,22 @@ class RewardTrainer:
 
     def _build_model(self) -> GLMImageWrapper:
         """Load GLM-Image and place it on this process's device(s), following the plan (never by luck)."""
+        m = self.cfg.model
+        # Rank 0 first: it builds the tiny model (transformers writes weights only on rank 0) or fetches
+        # the checkpoint; the other ranks then find it complete. Bounded by the stage timeout.
+        with self.accelerator.main_process_first():
+            path = run_stage(
+                f"resolve model '{m.name}'",
+                lambda: resolve_model_path(m.name, m.tiny_seed),
+                m.stage_timeout_s,
+            )
         wrapper, self.placement = load_for_training(
-            self.cfg.model,
+            m,
             self.component,
             distributed=self.is_distributed,
             reason=self.distributed_reason,
             device=dist.choose_device(self.accelerator.local_process_index),
+            model_path=path,
         )
         self.device = next(wrapper.trainable.parameters()).device
         return wrapper
