@@ -7,12 +7,12 @@
 
 Measures, on one model with the same steps, resolution, guidance and batch:
 
-1. Denoising: `GlmImagePipeline.__call__(output_type="latent")` with precomputed prior tokens, glyph embeddings
-   and initial latents (so the AR model, the text encoder and the VAE are outside the timing) against
-   `glm_image_schedule` + `sample_trajectory` on the same inputs, with the SDE (noise level 0.7) on every
-   step, recording latents and log-probs. Warm-up once, then the median of `--repeats` runs each, taken
-   alternately. The target is rollout <= 1.10x pipeline. A parity check (noise level 0 reproduces the
-   pipeline's latents) confirms that both do the same work.
+1. Denoising: `GlmImagePipeline.__call__(output_type="latent")` with precomputed prior tokens, glyph
+   embeddings and initial latents (so the AR model, the text encoder and the VAE are outside the
+   timing) against `glm_image_schedule` + `sample_trajectory` on the same inputs, with the SDE (noise
+   level 0.7) on every step, recording latents and log-probs. Warm-up once, then the median of
+   `--repeats` runs each, taken alternately. The target is rollout <= 1.10x pipeline. A parity check
+   (noise level 0 reproduces the pipeline's latents) confirms that both do the same work.
 2. Seconds per training step of the real `DiTTrainer` (tiny config + CLI overrides): `_collect` (AR prior
    tokens, rollout, VAE decode, rewards, advantages) and `_update` timed separately, after a warm-up step.
 3. Peak memory: `torch.cuda.max_memory_allocated` per phase on CUDA; on CPU the process's peak RSS
@@ -63,12 +63,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per denoising variant")
     p.add_argument("--train-steps", type=int, default=3, help="timed trainer steps after one warm-up step")
     p.add_argument("--skip-trainer", action="store_true", help="only the denoising comparison")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument(
-        "--override", action="append", default=[], metavar="KEY=VALUE",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="extra trainer config override (repeatable), e.g. --override algo.beta=0.04",
     )
     return p.parse_args(argv)
@@ -128,7 +133,7 @@ def reset_peak(device: torch.device) -> None:
 
 
 def peak_memory_mib(device: torch.device) -> float:
-    """CUDA: max allocated since the last reset. CPU: the process's peak RSS so far (ru_maxrss, KiB on Linux)."""
+    """CUDA: max allocated since the last reset. CPU: peak RSS so far (ru_maxrss: KiB on Linux)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -163,9 +168,7 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
 
     prompts = prompts_for(args.batch)
     prior = generate_prior_tokens(pipe, prompts, args.height, args.width, seed=args.seed)
-    cond = build_guidance_inputs(
-        pipe, prompts, prior, args.height, args.width, args.guidance, device, dtype
-    )
+    cond = build_guidance_inputs(pipe, prompts, prior, args.height, args.width, args.guidance, device, dtype)
     latent_shape = (
         args.batch,
         transformer.config.in_channels,
@@ -238,7 +241,6 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
         "peak_memory_mib": peak_memory_mib(device),
         "transformer_params": sum(p.numel() for p in transformer.parameters()),
     }
-    del pipe, transformer, cond
     return result
 
 
@@ -308,8 +310,9 @@ def print_report(info: dict, args: argparse.Namespace, den: dict, train: dict | 
     for key, value in info.items():
         print(f"  {key:15s} {value}")
     print(
-        f"\n== setting == model={args.model} {args.height}x{args.width} steps={args.steps} batch={args.batch} "
-        f"guidance={args.guidance} dtype={args.dtype} repeats={args.repeats} noise_level={NOISE_LEVEL}"
+        f"\n== setting == model={args.model} {args.height}x{args.width} steps={args.steps} "
+        f"batch={args.batch} guidance={args.guidance} dtype={args.dtype} repeats={args.repeats} "
+        f"noise_level={NOISE_LEVEL}"
     )
     rows = [
         ("pipeline denoising (s, median)", f"{den['pipeline_s']:.4f}"),

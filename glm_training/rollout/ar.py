@@ -408,3 +408,52 @@ def teacher_forced_log_probs(model: nn.Module, samples: ARSamples, params: Sampl
         ],
         dim=1,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-sample records: how samples travel between ranks (dynamic sampling) and are re-batched for training.
+
+
+def split_samples(samples: ARSamples) -> list[dict[str, Tensor]]:
+    """One record per sequence, left padding stripped, every tensor on CPU (safe to send to other ranks)."""
+    num_grids = samples.image_grid_thw.shape[0] // samples.input_ids.shape[0]
+    records = []
+    for b in range(samples.input_ids.shape[0]):
+        keep = samples.attention_mask[b].bool()
+        record = {
+            "input_ids": samples.input_ids[b, keep],
+            "position_ids": samples.position_ids[:, b, keep],
+            "completion_mask": samples.completion_mask[b, keep],
+            "sampling_log_probs": samples.sampling_log_probs[b, keep],
+            "prior_token_ids": samples.prior_token_ids[b],
+            "image_grid_thw": samples.image_grid_thw[b * num_grids : (b + 1) * num_grids],
+        }
+        record.update({f"extra.{k}": v[b] for k, v in samples.extra.items()})
+        records.append({k: v.detach().cpu() for k, v in record.items()})
+    return records
+
+
+def collate_samples(records: list[dict[str, Tensor]], pad_token_id: int) -> ARSamples:
+    """Stack records into one left-padded batch (the layout generation used; pad positions are 1, as HF's)."""
+    length = max(r["input_ids"].shape[0] for r in records)
+
+    def left_pad(t: Tensor, value, dim: int = -1) -> Tensor:
+        missing = length - t.shape[dim]
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([torch.full(shape, value, dtype=t.dtype), t], dim=dim)
+
+    return ARSamples(
+        input_ids=torch.stack([left_pad(r["input_ids"], pad_token_id) for r in records]),
+        attention_mask=torch.stack([left_pad(torch.ones_like(r["input_ids"]), 0) for r in records]),
+        position_ids=torch.stack([left_pad(r["position_ids"], 1) for r in records], dim=1),
+        completion_mask=torch.stack([left_pad(r["completion_mask"], False) for r in records]),
+        sampling_log_probs=torch.stack([left_pad(r["sampling_log_probs"], 0.0) for r in records]),
+        prior_token_ids=torch.stack([r["prior_token_ids"] for r in records]),
+        image_grid_thw=torch.cat([r["image_grid_thw"] for r in records]),
+        extra={
+            k.removeprefix("extra."): torch.stack([r[k] for r in records])
+            for k in records[0]
+            if k.startswith("extra.")
+        },
+    )

@@ -193,20 +193,26 @@ class RewardTrainer:
 
         Every rank computes the same global advantages from the same gathered rewards, then keeps its slice.
         """
-        k = self.cfg.data.num_generations
-        all_rewards = dist.all_gather_cat(rewards.float())  # [W * N], rank order = global group order
-        rewards_gk = all_rewards.view(-1, k)
+        all_rewards = dist.all_gather_cat(rewards.float())  # [W * N], rank order = global sample order
+        all_parts = {name: dist.all_gather_cat(values.float()) for name, values in parts.items()}
+        advantages, stats = self.global_advantages(all_rewards, all_parts)
+        start, end = dist.shard_bounds(all_rewards.numel(), self.rank, self.world_size)
+        return advantages[start:end], stats
+
+    def global_advantages(
+        self, all_rewards: torch.Tensor, all_parts: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """[G * K] rewards of every rank, group-major -> ([G * K] advantages, reward statistics)."""
+        rewards_gk = all_rewards.view(-1, self.cfg.data.num_generations)
         adv_fn = ADVANTAGE_FNS[self.cfg.algo.scale_rewards]
         advantages = clip_advantages(adv_fn(rewards_gk), self.cfg.algo.adv_clip_max).reshape(-1)
-        start, end = dist.shard_bounds(all_rewards.numel(), self.rank, self.world_size)
         stats = {
             "reward_mean": all_rewards.mean().item(),
             "reward_std": all_rewards.std(unbiased=False).item(),
             "frac_zero_std_groups": zero_std_groups(rewards_gk).float().mean().item(),
         }
-        for name, values in parts.items():
-            stats[f"reward/{name}"] = dist.all_gather_cat(values.float()).mean().item()
-        return advantages[start:end], stats
+        stats.update({f"reward/{name}": values.mean().item() for name, values in all_parts.items()})
+        return advantages, stats
 
     def _build_model(self) -> GLMImageWrapper:
         """Load GLM-Image and place it on this process's device(s), following the plan (never by luck)."""

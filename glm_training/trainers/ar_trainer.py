@@ -1,0 +1,303 @@
+"""`ARTrainer`: GRPO with DAPO's refinements (arXiv 2503.14476) on the GLM-Image autoregressive model.
+
+Rollout: `num_generations` samples of the image tokens per prompt (preview grid, then the large grid) from
+the current policy; the frozen DiT renders each sample's large-grid tokens with a noise seed fixed per
+group, so reward differences inside a group come from the AR tokens alone.
+
+Update: token-level clipped objective with DAPO's clip-higher (`epsilon_low` / `epsilon_high`), the chosen
+loss aggregation, optional k3 KL to the reference. Old log-probs are teacher-forced under the weights that
+sampled, over the very micro-batches the update uses, so the first ratio is exactly 1; the log-probs
+recorded during sampling are kept as a check (`sampling_logp_max_diff`).
+
+Dynamic sampling (DAPO): groups whose rewards are all equal carry no signal and are dropped; every rank
+keeps generating and scoring new batches *together* until the global pool holds `num_groups_per_step`
+valid groups or `max_resample_rounds` is used up. Each decision is taken from globally gathered data, so
+every rank makes the same number of `generate()` calls and collectives (no deadlock), and each rank then
+takes an equal slice of the pool, moved to its own device on arrival (seed 003).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from glm_training import distributed as dist
+from glm_training.algorithms.advantages import zero_std_groups
+from glm_training.algorithms.losses import (
+    clipped_policy_loss,
+    k3_kl,
+    masked_seq_mean_token_mean,
+    masked_seq_mean_token_sum,
+    masked_token_mean,
+    ratio_stats,
+)
+from glm_training.data import Prompt
+from glm_training.rollout.ar import (
+    ARSamples,
+    SamplingParams,
+    collate_samples,
+    sample_image_tokens,
+    split_samples,
+    teacher_forced_log_probs,
+)
+from glm_training.trainers.reward_trainer import Batch, RewardTrainer
+
+logger = logging.getLogger("glm_training")
+
+AGGREGATIONS = {
+    "token-mean": masked_token_mean,
+    "seq-mean-token-mean": masked_seq_mean_token_mean,
+    "seq-mean-token-sum": masked_seq_mean_token_sum,
+}
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """Too few groups with non-zero reward spread after the resampling budget (`on_budget_exhausted=error`)."""
+
+
+@dataclass
+class ARRollout:
+    records: list[dict]  # one per sample on this rank (see `rollout.ar.split_samples`)
+
+
+class ARTrainer(RewardTrainer):
+    component = "ar"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        s = cfg.sampling
+        pipe = self.wrapper.pipeline
+        pipe.set_progress_bar_config(disable=True)
+        self.sampling_params = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            codebook_size=SamplingParams.from_pipeline(pipe).codebook_size,
+        )
+        self.pad_token_id = pipe.processor.tokenizer.pad_token_id
+
+    # ---------------------------------------------------------------------------------------------------
+    # Rollout
+
+    def _rollout(
+        self, group_prompts: list[Prompt], group_ids: list[int], step: int, round_index: int = 0
+    ) -> tuple[ARRollout, list]:
+        s = self.cfg.sampling
+        texts = [group_prompts[g].text for g in group_ids]
+        samples = sample_image_tokens(
+            self.wrapper.pipeline,
+            texts,
+            s.height,
+            s.width,
+            self.sampling_params,
+            seed=self.sample_seed(step, round_index),
+        )
+        images = self._render(samples.prior_token_ids, texts, group_ids, step, round_index)
+        return ARRollout(split_samples(samples)), images
+
+    @torch.no_grad()
+    def _render(
+        self, prior: torch.Tensor, texts: list[str], group_ids: list[int], step: int, round_index: int
+    ):
+        """Decode each sample's tokens with the frozen DiT; the DiT noise is fixed per group."""
+        s = self.cfg.sampling
+        pipe = self.wrapper.pipeline
+        shape = (
+            pipe.transformer.config.in_channels,
+            s.height // pipe.vae_scale_factor,
+            s.width // pipe.vae_scale_factor,
+        )
+        base = (self.cfg.trainer.seed * 1_000_003 + step) * 101 + round_index
+        latents = torch.stack(
+            [torch.randn(shape, generator=torch.Generator().manual_seed(base * 7919 + g)) for g in group_ids]
+        )
+        images = []
+        chunk = self.cfg.algo.micro_batch_size
+        for start in range(0, len(texts), chunk):
+            images += pipe(
+                prompt=texts[start : start + chunk],
+                prior_token_ids=prior[start : start + chunk].to(self.device),
+                latents=latents[start : start + chunk].to(self.device),
+                height=s.height,
+                width=s.width,
+                num_inference_steps=s.dit_num_steps,
+                guidance_scale=s.dit_guidance_scale,
+            ).images
+        return images
+
+    # ---------------------------------------------------------------------------------------------------
+    # Dynamic sampling
+
+    def _collect(self, step: int) -> Batch:
+        if not self.cfg.algo.dynamic_sampling:
+            return super()._collect(step)
+        a, k = self.cfg.algo, self.cfg.data.num_generations
+        target = self.cfg.data.num_groups_per_step
+        pool: list[list[dict]] = []  # valid groups, identical on every rank
+        generated_rewards, generated_parts, num_groups_seen, rounds = [], [], 0, 0
+        while True:
+            group_prompts, group_ids = self._step_samples(step, round_index=rounds)
+            rollout, images = self._rollout(group_prompts, group_ids, step, rounds)
+            rewards, parts = self._score(images, [group_prompts[g] for g in group_ids])
+            for record, prompt_index, reward in zip(rollout.records, group_ids, rewards):
+                record["reward"] = reward.reshape(())
+                record["prompt"] = group_prompts[prompt_index]
+            for record, i in zip(rollout.records, range(len(group_ids))):
+                record["parts"] = {name: values[i].reshape(()) for name, values in parts.items()}
+            # Everyone sees every sample (as CPU tensors, moved to this rank's device on arrival).
+            everyone = dist.flatten(dist.gather_objects(rollout.records, device=self.device))
+            groups = [everyone[g * k : (g + 1) * k] for g in range(len(everyone) // k)]
+            rewards_gk = (
+                torch.stack([torch.stack([r["reward"] for r in grp]) for grp in groups]).float().cpu()
+            )
+            flat = zero_std_groups(rewards_gk)
+            pool += [grp for grp, is_flat in zip(groups, flat.tolist()) if not is_flat]
+            generated_rewards.append(rewards_gk.reshape(-1))
+            generated_parts.append(
+                {n: torch.stack([r["parts"][n] for r in everyone]).float().cpu() for n in parts}
+            )
+            num_groups_seen += len(groups)
+            rounds += 1
+            if len(pool) >= target or rounds > a.max_resample_rounds:
+                break
+        num_valid = len(pool)
+        if num_valid < target:
+            pool = self._budget_exhausted(pool, num_valid, target, rounds)
+        pool = pool[:target]
+        all_rewards = torch.cat(generated_rewards)
+        stats = {
+            "reward_mean": all_rewards.mean().item(),
+            "reward_std": all_rewards.std(unbiased=False).item(),
+            "frac_zero_std_groups": 1.0 - num_valid / num_groups_seen,
+            "resample_rounds": rounds,
+            "valid_groups": num_valid,
+            "trained_groups": len(pool),
+        }
+        for name in generated_parts[0]:
+            stats[f"reward/{name}"] = torch.cat([p[name] for p in generated_parts]).mean().item()
+        if not pool:
+            return Batch([], [], torch.zeros(0), {}, torch.zeros(0), ARRollout([]), stats)
+        pool_records = dist.flatten(pool)
+        pool_rewards = torch.stack([r["reward"] for r in pool_records]).float().cpu()
+        advantages, _ = self.global_advantages(pool_rewards, {})
+        start, end = dist.shard_bounds(len(pool_records), self.rank, self.world_size)
+        mine = pool_records[start:end]
+        return Batch(
+            [r["prompt"] for r in mine],
+            [],
+            pool_rewards[start:end],
+            {},
+            advantages[start:end],
+            ARRollout(mine),
+            stats,
+        )
+
+    def _budget_exhausted(self, pool: list, num_valid: int, target: int, rounds: int) -> list:
+        message = (
+            f"dynamic sampling found {num_valid} of {target} groups with non-zero reward spread after {rounds} "
+            "round(s)"
+        )
+        if self.cfg.algo.on_budget_exhausted == "error":
+            raise DynamicSamplingExhausted(
+                f"{message}. Raise algo.max_resample_rounds, use a reward with more spread, or set "
+                "algo.on_budget_exhausted=warn to train on what was found."
+            )
+        # Train on what was found, in a size every rank can share equally.
+        k, w = self.cfg.data.num_generations, self.world_size
+        usable = num_valid
+        while usable and (usable * k) % w:
+            usable -= 1
+        logger.warning("%s; training on %d group(s) this step.", message, usable)
+        return pool[:usable]
+
+    # ---------------------------------------------------------------------------------------------------
+    # Update
+
+    def _micro_batches(self, records: list[dict]) -> list[ARSamples]:
+        size = self.cfg.algo.micro_batch_size
+        return [
+            collate_samples(records[i : i + size], self.pad_token_id) for i in range(0, len(records), size)
+        ]
+
+    def _update(self, batch: Batch, step: int) -> dict[str, float]:
+        a = self.cfg.algo
+        records = batch.rollout.records
+        if not records:
+            logger.warning("step %d: no group with reward spread; no update.", step + 1)
+            return self.mean_over_ranks({"loss": 0.0, "skipped": 1.0})
+        micro = self._micro_batches(records)
+        offsets = [0]
+        for mb in micro:
+            offsets.append(offsets[-1] + mb.input_ids.shape[0])
+        params = self.sampling_params
+        with torch.no_grad():
+            # Same weights, same micro-batches as the first inner step below: its ratio is exactly 1.
+            old = [teacher_forced_log_probs(self.model, mb, params) for mb in micro]
+            ref = None
+            if a.beta > 0:
+                with self.reference_model() as reference:
+                    ref = [teacher_forced_log_probs(reference, mb, params) for mb in micro]
+        diff = max(
+            (o.cpu() - mb.sampling_log_probs).abs()[mb.completion_mask].max().item()
+            for o, mb in zip(old, micro)
+        )
+        aggregate = AGGREGATIONS[a.loss_aggregation]
+        mini_batches = [list(range(len(micro)))[m :: a.num_mini_batches] for m in range(a.num_mini_batches)]
+        mini_batches = [mb for mb in mini_batches if mb]
+        totals = {
+            "loss": 0.0,
+            "policy_loss": 0.0,
+            "kl": 0.0,
+            "clip_frac": 0.0,
+            "approx_kl": 0.0,
+            "ratio_mean": 0.0,
+        }
+        count, grad_norms = 0, []
+        for _ in range(a.num_inner_epochs):
+            for mini in mini_batches:
+                weights = self._aggregation_weights([micro[m] for m in mini])
+                for pos, m in enumerate(mini):
+                    mb = micro[m]
+                    adv = batch.advantages[offsets[m] : offsets[m + 1]].to(self.device)
+                    mask = mb.completion_mask.to(self.device)
+                    sync = (
+                        self.accelerator.no_sync(self.model)
+                        if pos < len(mini) - 1
+                        else contextlib.nullcontext()
+                    )
+                    with sync, self.accelerator.autocast():
+                        new = teacher_forced_log_probs(self.model, mb, params)
+                        per_token = clipped_policy_loss(
+                            new, old[m], adv[:, None], a.epsilon_low, a.epsilon_high
+                        )
+                        policy_loss = aggregate(per_token, mask)
+                        kl = aggregate(k3_kl(new, ref[m]), mask) if ref is not None else torch.zeros(())
+                        loss = policy_loss + a.beta * kl
+                        self.accelerator.backward(loss * weights[pos])
+                    diag = ratio_stats(new.detach(), old[m], a.epsilon_low, a.epsilon_high, mask=mask)
+                    for key, value in (
+                        ("loss", loss),
+                        ("policy_loss", policy_loss),
+                        ("kl", kl),
+                        *diag.items(),
+                    ):
+                        totals[key] += float(value)
+                    count += 1
+                grad_norms.append(self.optimizer_step())
+        out = {key: value / count for key, value in totals.items()}
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["sampling_logp_max_diff"] = diff
+        out["num_samples"] = float(len(records))
+        return self.mean_over_ranks(out)
+
+    def _aggregation_weights(self, micro: list[ARSamples]) -> list[float]:
+        """Per-micro-batch weights that make the summed micro-batch losses equal the mini-batch's aggregate."""
+        if self.cfg.algo.loss_aggregation == "token-mean":
+            sizes = [float(mb.completion_mask.sum()) for mb in micro]
+        else:
+            sizes = [float(mb.input_ids.shape[0]) for mb in micro]
+        total = sum(sizes)
+        return [size / total for size in sizes]
