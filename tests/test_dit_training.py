@@ -23,8 +23,18 @@ SMALL = [
     "data.num_generations=3",
 ]
 METRIC_KEYS = {
-    "step", "reward_mean", "reward_std", "reward/jpeg_compressibility", "loss", "kl", "clip_frac", "approx_kl",
-    "frac_zero_std_groups", "lr", "grad_norm", "step_time_s",
+    "step",
+    "reward_mean",
+    "reward_std",
+    "reward/jpeg_compressibility",
+    "loss",
+    "kl",
+    "clip_frac",
+    "approx_kl",
+    "frac_zero_std_groups",
+    "lr",
+    "grad_norm",
+    "step_time_s",
 }
 
 
@@ -48,11 +58,14 @@ def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
     args = [*SMALL, "trainer.save_every=2"]
     assert run(DiTTrainer, "t2i_training", [*args, "trainer.num_steps=4", f"trainer.output_dir={full}"]) == 0
     assert run(DiTTrainer, "t2i_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={part}"]) == 0
-    assert run(
-        DiTTrainer,
-        "t2i_training",
-        [*args, "trainer.num_steps=4", f"trainer.output_dir={part}", "trainer.resume=latest"],
-    ) == 0
+    assert (
+        run(
+            DiTTrainer,
+            "t2i_training",
+            [*args, "trainer.num_steps=4", f"trainer.output_dir={part}", "trainer.resume=latest"],
+        )
+        == 0
+    )
     a = load_file(str(full / "checkpoints" / "step-000004" / "trainable.safetensors"))
     b = load_file(str(part / "checkpoints" / "step-000004" / "trainable.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
@@ -78,7 +91,11 @@ def test_an_existing_run_is_never_overwritten(tmp_path):
     [
         ({"empty.txt": "\n# only a comment\n"}, ["data.prompt_file=empty.txt"], "holds no prompts"),
         ({}, ["data.prompt_file=missing.txt"], "does not exist"),
-        ({"bad.jsonl": '{"prompt": "ok"}\n{"text": "no prompt"}\n'}, ["data.prompt_file=bad.jsonl"], "bad.jsonl:2"),
+        (
+            {"bad.jsonl": '{"prompt": "ok"}\n{"text": "no prompt"}\n'},
+            ["data.prompt_file=bad.jsonl"],
+            "bad.jsonl:2",
+        ),
         ({}, ["reward.names=[jpeg_compresibility]"], "Did you mean 'jpeg_compressibility'"),
         ({"plain.txt": "a cat\n"}, ["data.prompt_file=plain.txt", "reward.names=[ocr]"], "no quoted text"),
     ],
@@ -98,7 +115,10 @@ def test_bad_input_exits_with_a_clear_error_before_loading(tmp_path, files, args
 def test_two_ranks_share_group_statistics_and_train_in_step(tmp_path):
     # 3 groups x 2 generations = 6 samples, 3 per rank: group 1 straddles the two ranks.
     args = [
-        str(tmp_path), *SMALL, "data.num_groups_per_step=3", "data.num_generations=2",
+        str(tmp_path),
+        *SMALL,
+        "data.num_groups_per_step=3",
+        "data.num_generations=2",
         f"trainer.output_dir={tmp_path / 'run'}",
     ]
     result = torchrun(str(REPO / "tests" / "scripts" / "dist_dit_check.py"), args, timeout=300)
@@ -115,7 +135,9 @@ def test_two_ranks_share_group_statistics_and_train_in_step(tmp_path):
     rewards = np.array(r0["rewards"] + r1["rewards"]).reshape(3, 2)
     expected = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-4)
     # float32 on the trainer's side: rewards ~ -3.8 that differ by ~5e-3 lose ~1e-5 to cancellation.
-    np.testing.assert_allclose(r0["advantages"] + r1["advantages"], expected.reshape(-1), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        r0["advantages"] + r1["advantages"], expected.reshape(-1), rtol=1e-4, atol=1e-4
+    )
     # DDP kept the replicas identical through the optimizer step.
     assert r0["checksum_after_step"] == r1["checksum_after_step"]
 

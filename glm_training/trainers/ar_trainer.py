@@ -55,7 +55,7 @@ AGGREGATIONS = {
 
 
 class DynamicSamplingExhausted(RuntimeError):
-    """Too few groups with non-zero reward spread after the resampling budget (`on_budget_exhausted=error`)."""
+    """Too few groups with reward spread after the resampling budget (`on_budget_exhausted=error`)."""
 
 
 @dataclass
@@ -78,6 +78,11 @@ class ARTrainer(RewardTrainer):
             codebook_size=SamplingParams.from_pipeline(pipe).codebook_size,
         )
         self.pad_token_id = pipe.processor.tokenizer.pad_token_id
+
+    def _trainable_submodules(self, module):
+        # Text-to-image runs only the GLM decoder and its image-token head; the vision tower and the VQ
+        # tokenizer (used for image inputs) stay frozen.
+        return [module.model.language_model, module.lm_head]
 
     # ---------------------------------------------------------------------------------------------------
     # Rollout
@@ -137,6 +142,7 @@ class ARTrainer(RewardTrainer):
         a, k = self.cfg.algo, self.cfg.data.num_generations
         target = self.cfg.data.num_groups_per_step
         pool: list[list[dict]] = []  # valid groups, identical on every rank
+        self.last_sampling_decisions: list[dict] = []  # every generated group and whether it was kept
         generated_rewards, generated_parts, num_groups_seen, rounds = [], [], 0, 0
         while True:
             group_prompts, group_ids = self._step_samples(step, round_index=rounds)
@@ -155,6 +161,15 @@ class ARTrainer(RewardTrainer):
             )
             flat = zero_std_groups(rewards_gk)
             pool += [grp for grp, is_flat in zip(groups, flat.tolist()) if not is_flat]
+            self.last_sampling_decisions += [
+                {
+                    "round": rounds,
+                    "prompt": grp[0]["prompt"].text,
+                    "rewards": rewards_gk[i].tolist(),
+                    "kept": not f,
+                }
+                for i, (grp, f) in enumerate(zip(groups, flat.tolist()))
+            ]
             generated_rewards.append(rewards_gk.reshape(-1))
             generated_parts.append(
                 {n: torch.stack([r["parts"][n] for r in everyone]).float().cpu() for n in parts}
@@ -197,8 +212,8 @@ class ARTrainer(RewardTrainer):
 
     def _budget_exhausted(self, pool: list, num_valid: int, target: int, rounds: int) -> list:
         message = (
-            f"dynamic sampling found {num_valid} of {target} groups with non-zero reward spread after {rounds} "
-            "round(s)"
+            f"dynamic sampling found {num_valid} of {target} groups with non-zero reward spread "
+            f"after {rounds} round(s)"
         )
         if self.cfg.algo.on_budget_exhausted == "error":
             raise DynamicSamplingExhausted(
@@ -284,7 +299,7 @@ class ARTrainer(RewardTrainer):
                         ("kl", kl),
                         *diag.items(),
                     ):
-                        totals[key] += float(value)
+                        totals[key] += float(value.detach()) if torch.is_tensor(value) else float(value)
                     count += 1
                 grad_norms.append(self.optimizer_step())
         out = {key: value / count for key, value in totals.items()}
@@ -294,7 +309,7 @@ class ARTrainer(RewardTrainer):
         return self.mean_over_ranks(out)
 
     def _aggregation_weights(self, micro: list[ARSamples]) -> list[float]:
-        """Per-micro-batch weights that make the summed micro-batch losses equal the mini-batch's aggregate."""
+        """Per-micro-batch weights: the summed micro-batch losses equal the mini-batch's aggregate."""
         if self.cfg.algo.loss_aggregation == "token-mean":
             sizes = [float(mb.completion_mask.sum()) for mb in micro]
         else:

@@ -258,10 +258,17 @@ class RewardTrainer:
                 if p.requires_grad:
                     p.data = p.data.float()
         else:
-            module.requires_grad_(True)
+            for sub in self._trainable_submodules(module):
+                sub.requires_grad_(True)
             if self.cfg.algo.beta > 0:
                 # Full fine-tuning: the KL reference is a frozen copy of the base weights.
                 self.reference = copy.deepcopy(module).requires_grad_(False).eval()
+        # Parameters outside the submodules the forward pass uses (e.g. LoRA adapters a target name put into
+        # the AR model's vision tower) stay frozen: they would get no gradient, which DDP refuses.
+        used = {id(p) for sub in self._trainable_submodules(module) for p in sub.parameters()}
+        for p in module.parameters():
+            if id(p) not in used:
+                p.requires_grad_(False)
         if self.cfg.model.gradient_checkpointing:
             enable = (
                 getattr(module, "enable_gradient_checkpointing", None) or module.gradient_checkpointing_enable
@@ -276,6 +283,10 @@ class RewardTrainer:
             )
         logger.info("[load] %s", describe_module(f"{self.wrapper.trainable_name} (trainable)", module))
         return module
+
+    def _trainable_submodules(self, module: nn.Module) -> list[nn.Module]:
+        """The parts of the trainable component that the training forward pass uses (default: all of it)."""
+        return [module]
 
     @contextlib.contextmanager
     def reference_model(self):

@@ -1,0 +1,66 @@
+"""Run under `torchrun --nproc_per_node=2` by tests/test_ar_training.py: DAPO dynamic sampling on 2 real ranks.
+
+The reward is built so that prompts containing FLAT score the same for every sample (zero-std groups, to
+be dropped) while the others score by JPEG size (spread). Writes `<out>/rank<r>.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from glm_training import distributed as dist
+from glm_training.config import load_config
+from glm_training.rewards import Reward, build_reward, register_reward
+from glm_training.trainers.ar_trainer import ARTrainer, DynamicSamplingExhausted
+
+
+@register_reward("flat_unless_noisy")
+class FlatUnlessNoisy(Reward):
+    def __init__(self):
+        self.jpeg = build_reward("jpeg_compressibility")
+
+    def __call__(self, images, prompts, metadata):
+        spread = self.jpeg(images, prompts, metadata)
+        return torch.tensor([1.0 if "FLAT" in p else float(s) for p, s in zip(prompts, spread)])
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = load_config(sys.argv[2:], "ar_training")
+    trainer = ARTrainer(cfg)
+    rank = trainer.rank
+    report: dict = {"rank": rank}
+    try:
+        batch = trainer._collect(0)
+    except DynamicSamplingExhausted as err:
+        report["error"] = str(err)
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+        return
+    records = batch.rollout.records
+    tensors = [v for r in records for v in r.values() if isinstance(v, torch.Tensor)]
+    stats = trainer._update(batch, 0)
+    report.update(
+        {
+            "stats": batch.stats,
+            "num_samples": len(records),
+            "tensor_devices": sorted({str(t.device) for t in tensors}),
+            "own_device": str(trainer.device),
+            "all_on_own_device": all(dist.same_device(t.device, trainer.device) for t in tensors),
+            "decisions": trainer.last_sampling_decisions,
+            "trained_prompts": [p.text for p in batch.prompts],
+            "approx_kl": stats.get("approx_kl"),
+            "ratio_mean": stats.get("ratio_mean"),
+            "skipped": stats.get("skipped", 0.0),
+        }
+    )
+    trainer.train()  # and the whole loop, to completion
+    report["finished"] = True
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The AR trainer: exact first ratio, dynamic sampling on 2 real ranks, resume, the default entry point."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import PYTHON, REPO, run_cli, torchrun
+from safetensors.torch import load_file
+
+from glm_training.cli import run
+from glm_training.config import load_config
+from glm_training.metrics import read_metrics
+from glm_training.trainers.ar_trainer import ARTrainer
+
+SMALL = [
+    "trainer.progress_bar=false",
+    "sampling.height=32",
+    "sampling.width=32",
+    "sampling.dit_num_steps=1",
+    "data.num_groups_per_step=2",
+    "data.num_generations=2",
+    "algo.micro_batch_size=2",
+]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        ("sampling.temperature=1.0",),
+        ("sampling.temperature=0.7", "sampling.top_p=0.8"),
+        ("sampling.temperature=1.3", "sampling.top_k=20", "algo.beta=0.05", "model.lora.enabled=true"),
+    ],
+    ids=["plain", "temp0.7-topp0.8", "temp1.3-topk20-kl-lora"],
+)
+def test_first_inner_step_ratio_is_exactly_one(tmp_path, sampling):
+    cfg = load_config([*SMALL, f"trainer.output_dir={tmp_path}", *sampling], "ar_training")
+    trainer = ARTrainer(cfg)
+    batch = trainer._collect(0)
+    stats = trainer._update(batch, 0)
+    assert stats["approx_kl"] == 0.0 and stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
+    assert stats["kl"] == 0.0
+    # The teacher-forced pass reproduces the sampling distribution (temperature, top-p/top-k, positions).
+    assert stats["sampling_logp_max_diff"] < 1e-4
+    assert stats["grad_norm"] > 0
+
+
+def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = [*SMALL, "trainer.save_every=1"]
+    assert run(ARTrainer, "ar_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={full}"]) == 0
+    assert run(ARTrainer, "ar_training", [*args, "trainer.num_steps=1", f"trainer.output_dir={part}"]) == 0
+    resume = [*args, "trainer.num_steps=2", f"trainer.output_dir={part}", "trainer.resume=latest"]
+    assert run(ARTrainer, "ar_training", resume) == 0
+    a = load_file(str(full / "checkpoints" / "step-000002" / "trainable.safetensors"))
+    b = load_file(str(part / "checkpoints" / "step-000002" / "trainable.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _prompt_file(tmp_path, noisy: int, flat: int):
+    path = tmp_path / "prompts.txt"
+    lines = [f"a noisy picture number {i}" for i in range(noisy)] + [
+        f"a FLAT picture number {i}" for i in range(flat)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _dist_ar(tmp_path, prompts, *extra: str):
+    out = tmp_path / "reports"
+    out.mkdir()
+    args = [
+        str(out),
+        *SMALL,
+        f"data.prompt_file={prompts}",
+        "data.num_groups_per_step=4",
+        "reward.names=[flat_unless_noisy]",
+        "trainer.num_steps=1",
+        f"trainer.output_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+    result = torchrun(str(REPO / "tests" / "scripts" / "dist_ar_check.py"), args, timeout=420)
+    reports = [
+        json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()
+    ]
+    return result, reports
+
+
+@pytest.mark.distributed
+def test_dynamic_sampling_keeps_two_ranks_in_step(tmp_path):
+    # 3 noisy prompts of 12: most groups are flat, so several rounds are needed, and the groups a rank
+    # generates can be all flat on one rank and not on the other.
+    result, (r0, r1) = _dist_ar(
+        tmp_path, _prompt_file(tmp_path, noisy=3, flat=9), "algo.max_resample_rounds=8"
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert r0["finished"] and r1["finished"]  # no deadlock, through a full train() as well
+    assert r0["stats"]["resample_rounds"] == r1["stats"]["resample_rounds"] > 1
+    assert r0["num_samples"] == r1["num_samples"] == 4  # 4 groups x 2 generations over 2 ranks
+    assert r0["all_on_own_device"] and r1["all_on_own_device"]
+    assert r0["decisions"] == r1["decisions"]  # every decision from the same gathered data
+    for group in r0["decisions"]:
+        spread = max(group["rewards"]) > min(group["rewards"])
+        assert group["kept"] == spread  # dropped groups are exactly the zero-std ones
+        assert ("FLAT" in group["prompt"]) != spread
+    assert all("FLAT" not in p for p in r0["trained_prompts"] + r1["trained_prompts"])
+    assert r0["approx_kl"] == 0.0 and r0["ratio_mean"] == 1.0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["error", "warn"])
+def test_dynamic_sampling_budget_exhausted(tmp_path, mode):
+    # One noisy prompt among eight, one extra round: at most 2 valid groups of the 4 wanted.
+    prompts = _prompt_file(tmp_path, noisy=1, flat=7)
+    result, reports = _dist_ar(
+        tmp_path, prompts, "algo.max_resample_rounds=1", f"algo.on_budget_exhausted={mode}"
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert len(reports) == 2
+    if mode == "error":
+        for report in reports:
+            assert "dynamic sampling found" in report["error"] and "max_resample_rounds" in report["error"]
+    else:
+        r0, r1 = reports
+        assert r0["finished"] and r1["finished"]
+        assert r0["stats"]["resample_rounds"] == r1["stats"]["resample_rounds"] == 2
+        assert r0["stats"]["valid_groups"] < 4
+        assert r0["num_samples"] == r1["num_samples"]
+        assert r0["stats"]["trained_groups"] == r0["stats"]["valid_groups"]
+
+
+@pytest.mark.slow
+def test_default_run_completes_and_the_reward_rises(tmp_path):
+    result = run_cli([PYTHON, "train_ar.py", f"trainer.output_dir={tmp_path}"], timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    rewards = np.array([r["reward_mean"] for r in rows])
+    assert len(rows) >= 20
+    assert rewards[-5:].mean() - rewards[:5].mean() > 0.05, rewards.round(3).tolist()
