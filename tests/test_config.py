@@ -1,4 +1,4 @@
-"""Configs: every YAML composes to the typed config; bad input exits non-zero naming the key, before loading."""
+"""Configs: every YAML composes to the typed config; bad input exits non-zero naming the key, early."""
 
 from __future__ import annotations
 

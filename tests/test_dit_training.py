@@ -1,4 +1,4 @@
-"""The DiT trainer end to end: the default entry point learns, resume is exact, torchrun on 2 ranks, bad input."""
+"""The DiT trainer end to end: the default run learns, resume is exact, 2 ranks under torchrun, bad input."""
 
 from __future__ import annotations
 

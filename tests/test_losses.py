@@ -237,3 +237,31 @@ def test_aggregations_shape_error() -> None:
     for fn in AGGREGATIONS:
         with pytest.raises(ValueError, match=r"\[B, T\]"):
             fn(LOSS_BT, MASK_BT[:, :2])
+
+
+def test_token_loss_golden_for_each_aggregation_and_both_clip_bounds() -> None:
+    # Two sequences, three token slots; the last slot of sequence 1 is padding (mask 0).
+    # old log-prob 0, so r = exp(logp). clip_low 0.2, clip_high 0.28 (DAPO).
+    # seq 0, A = +1: r = [1.5, 1.1, 0.5] -> terms [max(-1.5, -1.28)=-1.28 (clipped high, grad 0),
+    #                                               -1.1 (grad -1.1), max(-0.5, -0.8)=-0.5 (grad -0.5)]
+    # seq 1, A = -1: r = [0.5, 1.5, pad] -> terms [max(0.5, 0.8)=0.8 (clipped low, grad 0),
+    #                                               max(1.5, 1.28)=1.5 (grad +1.5), pad]
+    ratios = torch.tensor([[1.5, 1.1, 0.5], [0.5, 1.5, 1.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv = torch.tensor([1.0, -1.0])[:, None]
+    # token-mean:          (-1.28 - 1.1 - 0.5 + 0.8 + 1.5) / 5 = -0.58 / 5 = -0.116
+    # seq-mean-token-mean: ((-2.88 / 3) + (2.3 / 2)) / 2 = (-0.96 + 1.15) / 2 = 0.095
+    # seq-mean-token-sum:  (-2.88 + 2.3) / 2 = -0.29
+    # grads w.r.t. logp = per-token grad x the aggregation's weight (1/5; 1/(2 n_seq); 1/2)
+    token_grads = torch.tensor([[0.0, -1.1, -0.5], [0.0, 1.5, 0.0]])
+    cases = [
+        (masked_token_mean, -0.116, token_grads / 5),
+        (masked_seq_mean_token_mean, 0.095, token_grads / torch.tensor([[6.0], [4.0]])),
+        (masked_seq_mean_token_sum, -0.29, token_grads / 2),
+    ]
+    for aggregate, value, grad_expected in cases:
+        log_prob = torch.log(ratios).requires_grad_(True)
+        loss = aggregate(clipped_policy_loss(log_prob, torch.zeros(2, 3), adv, 0.2, 0.28), mask)
+        torch.testing.assert_close(loss, torch.tensor(value), atol=1e-6, rtol=0)
+        (grad,) = torch.autograd.grad(loss, log_prob)
+        torch.testing.assert_close(grad, grad_expected, atol=1e-6, rtol=0)

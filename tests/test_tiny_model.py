@@ -167,3 +167,14 @@ def test_losing_the_build_race_keeps_the_winner(tmp_path: pathlib.Path) -> None:
 
     assert weights.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+
+
+def test_a_copy_without_weights_is_never_published(tmp_path):
+    # What transformers leaves on a rank other than 0 under torch.distributed: configs but no weights.
+    from glm_training.models import tiny
+
+    folder = tiny.save_tiny_pipeline(tmp_path / "copy")
+    for weights in (folder / "vision_language_encoder").glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(RuntimeError, match="vision_language_encoder"):
+        tiny._check_weights_written(folder)

@@ -1,4 +1,4 @@
-"""Run under `torchrun --nproc_per_node=2` by tests/test_ar_training.py: DAPO dynamic sampling on 2 real ranks.
+"""Run under `torchrun --nproc_per_node=2` by tests/test_ar_training.py: DAPO dynamic sampling, 2 ranks.
 
 The reward is built so that prompts containing FLAT score the same for every sample (zero-std groups, to
 be dropped) while the others score by JPEG size (spread). Writes `<out>/rank<r>.json`.
