@@ -49,6 +49,7 @@ from glm_training.rollout.dit import (  # noqa: E402
 
 NOISE_LEVEL = 0.7
 TARGET_RATIO = 1.10
+BUSY_CORES = 0.25  # other processes' CPU use above which a CPU timing is flagged as unreliable
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -125,6 +126,35 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
     out = fn()
     sync(device)
     return time.perf_counter() - start, out
+
+
+class BackgroundLoad:
+    """CPU time that *other* processes used while timing, in cores (Linux /proc/stat; None elsewhere).
+
+    The tiny model runs many small parallel regions; when other processes hold the cores, OpenMP threads
+    wait on each other and one run can take 10-100x longer, so figures taken under load are not comparable.
+    """
+
+    def __init__(self) -> None:
+        self.start = self._snapshot()
+
+    @staticmethod
+    def _snapshot() -> tuple[float, float, float] | None:
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        except OSError:
+            return None
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4)) / ticks  # not idle, iowait
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
+
+    def cores(self) -> float | None:
+        end = self._snapshot()
+        if self.start is None or end is None:
+            return None
+        wall = end[0] - self.start[0]
+        return max(0.0, ((end[1] - self.start[1]) - (end[2] - self.start[2])) / wall) if wall > 0 else None
 
 
 def reset_peak(device: torch.device) -> None:
@@ -221,6 +251,7 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
     rollout_times = []
     with torch.no_grad():
         run_rollout()  # warm-up
+        load = BackgroundLoad()
         for _ in range(args.repeats):  # interleaved, so that drifting machine load hits both alike
             pipe_times.append(timed(run_pipeline, device)[0])
             rollout_times.append(timed(run_rollout, device)[0])
@@ -239,6 +270,7 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
         "parity_max_abs_diff_noise0": parity,
         "parity_ok": parity <= parity_tol,
         "peak_memory_mib": peak_memory_mib(device),
+        "background_cores": load.cores(),
         "transformer_params": sum(p.numel() for p in transformer.parameters()),
     }
     return result
@@ -282,7 +314,10 @@ def bench_trainer(args: argparse.Namespace, device: torch.device) -> dict:
         tdev = trainer.device
         reset_peak(tdev)
         collect_s, update_s = [], []
+        load = None
         for step in range(args.train_steps + 1):  # step 0 is the warm-up
+            if step == 1:
+                load = BackgroundLoad()
             c, batch = timed(lambda s=step: trainer._collect(s), tdev)
             u, _ = timed(lambda b=batch, s=step: trainer._update(b, s), tdev)
             if step > 0:
@@ -299,6 +334,7 @@ def bench_trainer(args: argparse.Namespace, device: torch.device) -> dict:
             "collect_runs_s": collect_s,
             "update_runs_s": update_s,
             "peak_memory_mib": peak_memory_mib(tdev),
+            "background_cores": load.cores() if load is not None else None,
         }
 
 
@@ -321,6 +357,7 @@ def print_report(info: dict, args: argparse.Namespace, den: dict, train: dict | 
             f"rollout / pipeline (target <= {TARGET_RATIO:.2f})",
             f"{den['ratio']:.3f}  {'OK' if den['ratio'] <= TARGET_RATIO else 'OVER'}",
         ),
+        ("rollout / pipeline, fastest runs (min / min)", f"{den['ratio_of_mins']:.3f}"),
         (
             "parity max|rollout(noise 0) - pipeline|",
             f"{den['parity_max_abs_diff_noise0']:.2e}  {'OK' if den['parity_ok'] else 'MISMATCH'}",
@@ -342,6 +379,12 @@ def print_report(info: dict, args: argparse.Namespace, den: dict, train: dict | 
     print(f"\nmemory: {mem}")
     print(f"pipeline runs (s): {' '.join(f'{t:.4f}' for t in den['pipeline_runs_s'])}")
     print(f"rollout runs (s):  {' '.join(f'{t:.4f}' for t in den['rollout_runs_s'])}")
+    loads = [den["background_cores"]] + ([train["background_cores"]] if train is not None else [])
+    loads = [x for x in loads if x is not None]
+    if loads:
+        print(f"other processes' CPU use while timing: {' / '.join(f'{x:.2f}' for x in loads)} cores")
+        if max(loads) > BUSY_CORES:
+            print("WARNING: the machine was busy while timing; these figures are not comparable. Rerun idle.")
 
 
 def main(argv: list[str] | None = None) -> int:

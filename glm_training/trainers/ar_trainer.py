@@ -43,7 +43,7 @@ from glm_training.rollout.ar import (
     split_samples,
     teacher_forced_log_probs,
 )
-from glm_training.trainers.reward_trainer import Batch, RewardTrainer
+from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
 
 logger = logging.getLogger("glm_training")
 
@@ -260,19 +260,9 @@ class ARTrainer(RewardTrainer):
             for o, mb in zip(old, micro)
         )
         aggregate = AGGREGATIONS[a.loss_aggregation]
-        mini_batches = [list(range(len(micro)))[m :: a.num_mini_batches] for m in range(a.num_mini_batches)]
-        mini_batches = [mb for mb in mini_batches if mb]
-        totals = {
-            "loss": 0.0,
-            "policy_loss": 0.0,
-            "kl": 0.0,
-            "clip_frac": 0.0,
-            "approx_kl": 0.0,
-            "ratio_mean": 0.0,
-        }
-        count, grad_norms = 0, []
+        stats, grad_norms = StatMeans(), []
         for _ in range(a.num_inner_epochs):
-            for mini in mini_batches:
+            for mini in split_mini_batches(len(micro), a.num_mini_batches):
                 weights = self._aggregation_weights([micro[m] for m in mini])
                 for pos, m in enumerate(mini):
                     mb = micro[m]
@@ -293,16 +283,9 @@ class ARTrainer(RewardTrainer):
                         loss = policy_loss + a.beta * kl
                         self.accelerator.backward(loss * weights[pos])
                     diag = ratio_stats(new.detach(), old[m], a.epsilon_low, a.epsilon_high, mask=mask)
-                    for key, value in (
-                        ("loss", loss),
-                        ("policy_loss", policy_loss),
-                        ("kl", kl),
-                        *diag.items(),
-                    ):
-                        totals[key] += float(value.detach()) if torch.is_tensor(value) else float(value)
-                    count += 1
+                    stats.add({"loss": loss, "policy_loss": policy_loss, "kl": kl, **diag})
                 grad_norms.append(self.optimizer_step())
-        out = {key: value / count for key, value in totals.items()}
+        out = stats.means()
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["sampling_logp_max_diff"] = diff
         out["num_samples"] = float(len(records))

@@ -30,7 +30,7 @@ from glm_training.rollout.dit import (
     recompute_step,
     sample_trajectory,
 )
-from glm_training.trainers.reward_trainer import Batch, RewardTrainer
+from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
 
 
 @dataclass
@@ -136,19 +136,9 @@ class DiTTrainer(RewardTrainer):
         train_steps = list(range(max(1, int(num_sde * a.timestep_fraction))))
         sizes = [t.latents_bsc.shape[0] for t in rollout.trajectories]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        mini_batches = [list(range(len(sizes)))[m :: a.num_mini_batches] for m in range(a.num_mini_batches)]
-        mini_batches = [mb for mb in mini_batches if mb]
-        totals = {
-            "loss": 0.0,
-            "policy_loss": 0.0,
-            "kl": 0.0,
-            "clip_frac": 0.0,
-            "approx_kl": 0.0,
-            "ratio_mean": 0.0,
-        }
-        count, grad_norms = 0, []
+        stats, grad_norms = StatMeans(), []
         for _ in range(a.num_inner_epochs):
-            for mini in mini_batches:
+            for mini in split_mini_batches(len(sizes), a.num_mini_batches):
                 num_samples = sum(sizes[m] for m in mini)
                 for pos, m in enumerate(mini):
                     traj = rollout.trajectories[m]
@@ -157,14 +147,11 @@ class DiTTrainer(RewardTrainer):
                         last = pos == len(mini) - 1 and j == train_steps[-1]
                         sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
                         with sync:
-                            stats = self._loss_and_backward(
-                                traj, j, rollout, adv, num_samples, len(train_steps)
+                            stats.add(
+                                self._loss_and_backward(traj, j, rollout, adv, num_samples, len(train_steps))
                             )
-                        for key, value in stats.items():
-                            totals[key] += value
-                        count += 1
                 grad_norms.append(self.optimizer_step())
-        out = {key: value / count for key, value in totals.items()}
+        out = stats.means()
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return self.mean_over_ranks(out)
 

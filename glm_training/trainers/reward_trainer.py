@@ -68,6 +68,31 @@ class Batch:
     stats: dict[str, float] = field(default_factory=dict)  # global reward statistics for the log
 
 
+LOSS_STATS = ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean")
+
+
+def split_mini_batches(num_micro_batches: int, num_mini_batches: int) -> list[list[int]]:
+    """Micro-batch indices of each mini-batch (one optimizer step each), interleaved, none empty."""
+    everything = list(range(num_micro_batches))
+    return [part for m in range(num_mini_batches) if (part := everything[m::num_mini_batches])]
+
+
+class StatMeans:
+    """Running means of the per-micro-batch loss statistics of one update."""
+
+    def __init__(self, keys: tuple[str, ...] = LOSS_STATS):
+        self.sums = dict.fromkeys(keys, 0.0)
+        self.count = 0
+
+    def add(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            self.sums[key] += float(value.detach()) if torch.is_tensor(value) else float(value)
+        self.count += 1
+
+    def means(self) -> dict[str, float]:
+        return {key: total / max(self.count, 1) for key, total in self.sums.items()}
+
+
 def setup_logging(is_main: bool) -> None:
     """Rank 0 logs at INFO; other ranks only warnings and errors."""
     level = logging.INFO if is_main else logging.WARNING
