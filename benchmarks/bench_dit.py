@@ -22,6 +22,7 @@ Measures, on one model with the same steps, resolution, guidance and batch:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -62,7 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="images per DiT pass (and per training step)")
     p.add_argument("--guidance", type=float, default=1.5)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per denoising variant")
-    p.add_argument("--train-steps", type=int, default=3, help="timed trainer steps after one warm-up step")
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=3,
+        help="timed trainer steps after one warm-up step (the trainer "
+        "places itself as in training: on CUDA whenever CUDA is present)",
+    )
     p.add_argument("--skip-trainer", action="store_true", help="only the denoising comparison")
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
@@ -207,14 +214,14 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
     )
     latents0 = torch.randn(latent_shape, generator=torch.Generator().manual_seed(args.seed)).to(device)
 
-    def run_pipeline(noise: torch.Tensor = latents0) -> torch.Tensor:
+    def run_pipeline() -> torch.Tensor:
         return pipe(
             prompt=None,
             height=args.height,
             width=args.width,
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
-            latents=noise.clone(),
+            latents=latents0.clone(),
             prompt_embeds=cond.prompt_embeds,
             negative_prompt_embeds=cond.negative_embeds if args.guidance > 1 else None,
             prior_token_ids=cond.prior_token_ids,
@@ -281,9 +288,9 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
 
 
 def trainer_overrides(args: argparse.Namespace, output_dir: str) -> list[str]:
-    generations = 4 if args.batch % 4 == 0 else (2 if args.batch % 2 == 0 else args.batch)
     if args.batch < 2:
         raise SystemExit("--batch must be >= 2 for the trainer (GRPO groups need >= 2 samples)")
+    generations = 4 if args.batch % 4 == 0 else (2 if args.batch % 2 == 0 else args.batch)
     overrides = [
         f"model.name={args.model}",
         f"model.dtype={args.dtype}",
@@ -369,6 +376,7 @@ def print_report(info: dict, args: argparse.Namespace, den: dict, train: dict | 
             (f"trainer _collect (s, median of {args.train_steps})", f"{train['collect_s']:.3f}"),
             (f"trainer _update (s, median of {args.train_steps})", f"{train['update_s']:.3f}"),
             ("trainer step = collect + update (s)", f"{train['step_s']:.3f}"),
+            ("trainer device / samples per step", f"{train['device']} / {train['samples_per_step']}"),
             ("peak memory after trainer (MiB)", f"{train['peak_memory_mib']:.1f}"),
         ]
     width = max(len(r[0]) for r in rows)
@@ -395,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     info = machine_info(device)
 
+    if args.repeats < 1 or args.train_steps < 1:
+        raise SystemExit("--repeats and --train-steps must be >= 1")
     den = bench_denoising(args, device, DTYPES[args.dtype])
+    gc.collect()  # the pipeline of phase 1 is released before the trainer loads its own copy
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     train = None if args.skip_trainer else bench_trainer(args, device)
     mem = memory_label(device)
     print_report(info, args, den, train, mem)

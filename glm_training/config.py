@@ -285,6 +285,11 @@ class ARSamplingConfig:
     top_k: int = 0  # 0 = off
     dit_num_steps: int = 4
     dit_guidance_scale: float = 1.5
+    # The DiT noise that renders a group is fixed per group (rewards inside a group differ only through the AR
+    # tokens). "step": drawn anew for every group of every step; "prompt": the same for a prompt at every
+    # step, which makes the reward a deterministic function of (prompt, tokens): less variance, at the cost
+    # of learning tokens for one noise draw per prompt.
+    dit_noise_seed: str = "step"
 
     def __post_init__(self) -> None:
         for key in ("height", "width"):
@@ -298,6 +303,7 @@ class ARSamplingConfig:
         _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1].")
         _check(self.top_k >= 0, "sampling.top_k", "must be >= 0 (0 = off).")
         _check(self.dit_num_steps >= 1, "sampling.dit_num_steps", "must be >= 1.")
+        _check_choice(self.dit_noise_seed, ("step", "prompt"), "sampling.dit_noise_seed")
 
 
 @dataclass

@@ -138,5 +138,6 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "metrics.jsonl")
     rewards = np.array([r["reward_mean"] for r in rows])
-    assert len(rows) >= 20
-    assert rewards[-5:].mean() - rewards[:5].mean() > 0.05, rewards.round(3).tolist()
+    assert len(rows) >= 30
+    # The default run gains ~2 (kB of JPEG, from about -52.2) with a per-step noise of ~0.1-0.2.
+    assert rewards[-5:].mean() - rewards[:5].mean() > 0.8, rewards.round(3).tolist()

@@ -151,3 +151,22 @@ def test_train_dit_entry_point_under_torchrun(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]  # written once, by rank 0
     assert (tmp_path / "checkpoints" / "step-000002" / "rng_rank1.pt").is_file()
+
+
+def test_ema_and_two_weighted_rewards_are_logged_and_saved(tmp_path):
+    args = [
+        *SMALL, "trainer.num_steps=2", f"trainer.output_dir={tmp_path}", "algo.ema=true", "algo.ema_decay=0.5",
+        "reward.names=[jpeg_compressibility,jpeg_incompressibility]", "reward.weights=[1.0,0.25]",
+    ]
+    assert run(DiTTrainer, "t2i_training", args) == 0
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    for row in rows:
+        comp, incomp = row["reward/jpeg_compressibility"], row["reward/jpeg_incompressibility"]
+        assert comp == pytest.approx(-incomp)
+        assert row["reward_mean"] == pytest.approx(comp + 0.25 * incomp, rel=1e-5)
+    ckpt = tmp_path / "checkpoints" / "step-000002"
+    ema = torch.load(ckpt / "ema.pt", weights_only=False)
+    weights = load_file(str(ckpt / "trainable.safetensors"))
+    shadow = ema["shadow_params"]
+    assert len(shadow) == len(weights)
+    assert any(not torch.equal(s, w) for s, w in zip(shadow, weights.values()))  # EMA lags the weights

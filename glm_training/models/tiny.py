@@ -61,7 +61,7 @@ from transformers import (
 
 logger = logging.getLogger(__name__)
 
-TINY_MODEL_VERSION: int = 1
+TINY_MODEL_VERSION: int = 2
 """Bump whenever a change here alters the saved folder; it is part of the cache directory name."""
 
 # Token-id layout of the AR vocabulary (see the module docstring).
@@ -262,8 +262,18 @@ def _build_vae(seed: int) -> AutoencoderKL:
     )
 
 
+# In the real GLM-Image the AR model's prior tokens carry the image's content and the DiT renders them.
+# A randomly initialised DiT barely listens to them: the JPEG size of its images moves ~3x more with the
+# noise than with the tokens, which leaves the AR trainer nothing to learn. Scaling the prior-token
+# embedding (its sum with the latent projection is layer-normed per token, so its share grows) and the
+# output projection (so the velocity, hence the image, follows it) makes the tokens dominate: the JPEG
+# reward then moves ~5x more with the tokens than with the noise (docs/benchmarks.md).
+PRIOR_EMBEDDING_SCALE = 30.0
+VELOCITY_SCALE = 10.0
+
+
 def _build_transformer() -> GlmImageTransformer2DModel:
-    return GlmImageTransformer2DModel(
+    transformer = GlmImageTransformer2DModel(
         patch_size=2,
         in_channels=VAE_LATENT_CHANNELS,
         out_channels=VAE_LATENT_CHANNELS,
@@ -275,6 +285,11 @@ def _build_transformer() -> GlmImageTransformer2DModel:
         condition_dim=8,
         prior_vq_quantizer_codebook_size=NUM_VISION_TOKENS,
     )
+    with torch.no_grad():
+        transformer.prior_token_embedding.weight.mul_(PRIOR_EMBEDDING_SCALE)
+        for param in transformer.proj_out.parameters():
+            param.mul_(VELOCITY_SCALE)
+    return transformer
 
 
 def _build_scheduler() -> FlowMatchEulerDiscreteScheduler:

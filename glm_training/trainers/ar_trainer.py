@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -100,14 +101,21 @@ class ARTrainer(RewardTrainer):
             self.sampling_params,
             seed=self.sample_seed(step, round_index),
         )
-        images = self._render(samples.prior_token_ids, texts, group_ids, step, round_index)
+        seeds = self._noise_seeds(texts, group_ids, step, round_index)
+        images = self._render(samples.prior_token_ids, texts, seeds)
         return ARRollout(split_samples(samples)), images
 
+    def _noise_seeds(self, texts: list[str], group_ids: list[int], step: int, round_index: int) -> list[int]:
+        """One DiT noise seed per sample, shared by its group (see `sampling.dit_noise_seed`)."""
+        seed = self.cfg.trainer.seed
+        if self.cfg.sampling.dit_noise_seed == "prompt":
+            return [seed * 1_000_003 + zlib.crc32(text.encode("utf-8")) for text in texts]
+        base = ((seed * 1_000_003 + step) * 101 + round_index) * 7919
+        return [base + g for g in group_ids]
+
     @torch.no_grad()
-    def _render(
-        self, prior: torch.Tensor, texts: list[str], group_ids: list[int], step: int, round_index: int
-    ):
-        """Decode each sample's tokens with the frozen DiT; the DiT noise is fixed per group."""
+    def _render(self, prior: torch.Tensor, texts: list[str], seeds: list[int]):
+        """Decode each sample's tokens with the frozen DiT, from the sample's noise seed."""
         s = self.cfg.sampling
         pipe = self.wrapper.pipeline
         shape = (
@@ -115,10 +123,7 @@ class ARTrainer(RewardTrainer):
             s.height // pipe.vae_scale_factor,
             s.width // pipe.vae_scale_factor,
         )
-        base = (self.cfg.trainer.seed * 1_000_003 + step) * 101 + round_index
-        latents = torch.stack(
-            [torch.randn(shape, generator=torch.Generator().manual_seed(base * 7919 + g)) for g in group_ids]
-        )
+        latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
         images = []
         chunk = self.cfg.algo.micro_batch_size
         for start in range(0, len(texts), chunk):
