@@ -111,7 +111,7 @@ def test_decoded_images_match_the_pipeline(pipe):
         guidance_scale=1.5,
     ).images[0]
     assert ours.size == theirs.size == (WIDTH, HEIGHT)
-    assert list(ours.getdata()) == list(theirs.getdata())
+    assert ours.tobytes() == theirs.tobytes()
 
 
 def _trainer(tmp_path, *overrides: str) -> DiTTrainer:
