@@ -155,8 +155,13 @@ def test_train_dit_entry_point_under_torchrun(tmp_path):
 
 def test_ema_and_two_weighted_rewards_are_logged_and_saved(tmp_path):
     args = [
-        *SMALL, "trainer.num_steps=2", f"trainer.output_dir={tmp_path}", "algo.ema=true", "algo.ema_decay=0.5",
-        "reward.names=[jpeg_compressibility,jpeg_incompressibility]", "reward.weights=[1.0,0.25]",
+        *SMALL,
+        "trainer.num_steps=2",
+        f"trainer.output_dir={tmp_path}",
+        "algo.ema=true",
+        "algo.ema_decay=0.5",
+        "reward.names=[jpeg_compressibility,jpeg_incompressibility]",
+        "reward.weights=[1.0,0.25]",
     ]
     assert run(DiTTrainer, "t2i_training", args) == 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
