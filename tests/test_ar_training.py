@@ -30,10 +30,10 @@ SMALL = [
     "sampling",
     [
         ("sampling.temperature=1.0",),
-        ("sampling.temperature=0.7", "sampling.top_p=0.8"),
+        ("sampling.temperature=0.7", "sampling.top_p=0.8", "algo.dynamic_sampling=false"),
         ("sampling.temperature=1.3", "sampling.top_k=20", "algo.beta=0.05", "model.lora.enabled=true"),
     ],
-    ids=["plain", "temp0.7-topp0.8", "temp1.3-topk20-kl-lora"],
+    ids=["plain", "temp0.7-topp0.8-no-dynamic-sampling", "temp1.3-topk20-kl-lora"],
 )
 def test_first_inner_step_ratio_is_exactly_one(tmp_path, sampling):
     cfg = load_config([*SMALL, f"trainer.output_dir={tmp_path}", *sampling], "ar_training")
