@@ -110,7 +110,16 @@ def make_accelerator(
 
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()
     elif strategy == "deepspeed":
+        import importlib.util
+
         from accelerate.utils import DeepSpeedPlugin
+
+        if importlib.util.find_spec("deepspeed") is None:
+            from glm_training.config import ConfigError
+
+            raise ConfigError(
+                "trainer.strategy", "'deepspeed' needs the deepspeed package: pip install deepspeed."
+            )
 
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=2)
     accelerator = Accelerator(

@@ -93,3 +93,14 @@ def test_entry_points_exit_nonzero_before_loading_any_model(script, args, needle
     assert "[load]" not in result.stderr  # nothing was loaded
     assert "Traceback" not in result.stderr
     assert elapsed < 10, f"took {elapsed:.1f} s"
+
+
+def test_deepspeed_without_the_package_is_a_config_error():
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed here")
+    from glm_training.distributed import make_accelerator
+
+    with pytest.raises(ConfigError, match="pip install deepspeed"):
+        make_accelerator(strategy="deepspeed")
