@@ -51,6 +51,7 @@ from bench_dit import (  # noqa: E402  (also puts the repository root on sys.pat
 from glm_training.models.wrapper import resolve_model_path  # noqa: E402
 from glm_training.rollout.ar import (  # noqa: E402
     SamplingParams,
+    chat_inputs,
     sample_image_tokens,
     teacher_forced_log_probs,
 )
@@ -87,16 +88,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device, dtype: torch.d
 
 def processor_inputs(pipe, prompts: list[str], height: int, width: int) -> tuple[dict, int]:
     """The inputs `sample_image_tokens` gives generate(), and its max_new_tokens (all grids + 1)."""
-    messages = [[{"role": "user", "content": [{"type": "text", "text": prompt}]}] for prompt in prompts]
-    inputs = pipe.processor.apply_chat_template(
-        messages,
-        tokenize=True,
-        padding=len(prompts) > 1,
-        target_h=height,
-        target_w=width,
-        return_dict=True,
-        return_tensors="pt",
-    )
+    inputs = chat_inputs(pipe, prompts, height, width)
     num_grids = inputs["image_grid_thw"].shape[0] // len(prompts)
     grid_tokens = sum(int(h * w) for _, h, w in inputs["image_grid_thw"][:num_grids].tolist())
     return dict(inputs), grid_tokens + 1

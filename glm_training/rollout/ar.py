@@ -237,6 +237,21 @@ def _upsample_grid_2x(tokens_bn: Tensor, grid_h: int, grid_w: int) -> Tensor:
     return grid.repeat_interleave(2, dim=1).repeat_interleave(2, dim=2).reshape(tokens_bn.shape[0], -1)
 
 
+def chat_inputs(pipeline, prompts: list[str], height: int, width: int):
+    """The AR model's text-to-image inputs for `prompts`, built as `GlmImagePipeline.generate_prior_tokens`
+    builds them (chat template with the target size; left padding for a batch). On CPU."""
+    messages = [[{"role": "user", "content": [{"type": "text", "text": prompt}]}] for prompt in prompts]
+    return pipeline.processor.apply_chat_template(
+        messages,
+        tokenize=True,
+        padding=len(prompts) > 1,
+        target_h=height,
+        target_w=width,
+        return_dict=True,
+        return_tensors="pt",
+    )
+
+
 @torch.no_grad()
 def sample_image_tokens(
     pipeline, prompts: list[str], height: int, width: int, params: SamplingParams, seed: int
@@ -257,16 +272,7 @@ def sample_image_tokens(
     _check_generation_config(model)
     device = _module_device(model)
 
-    messages = [[{"role": "user", "content": [{"type": "text", "text": prompt}]}] for prompt in prompts]
-    inputs = pipeline.processor.apply_chat_template(
-        messages,
-        tokenize=True,
-        padding=len(prompts) > 1,
-        target_h=height,
-        target_w=width,
-        return_dict=True,
-        return_tensors="pt",
-    )
+    inputs = chat_inputs(pipeline, prompts, height, width)
     prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
     batch_size, num_prompt_tokens = prompt_ids.shape
     if not bool(prompt_mask[:, -1].all()):
