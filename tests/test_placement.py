@@ -163,3 +163,16 @@ def test_stage_errors_propagate_unchanged():
 def test_a_folder_that_is_not_a_pipeline_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="model_index.json"):
         GLMImageWrapper(str(tmp_path), "dit")
+
+
+def test_loading_logs_each_stage_and_where_each_component_landed(tiny_model_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="glm_training"):
+        load_for_training(_cfg(tiny_model_dir, "cpu"), "dit", distributed=False, reason="test", device=CPU)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("placement: single process" in line and "device_map='cpu'" in line for line in lines)
+    assert any(line.startswith("[load] from_pretrained") and "done in" in line for line in lines)
+    for component in ("vision_language_encoder", "text_encoder", "transformer", "vae"):
+        (line,) = [ln for ln in lines if ln.startswith(f"[load] {component}:")]
+        assert "device cpu" in line and "dtype float32" in line and "params" in line
