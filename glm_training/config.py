@@ -118,7 +118,6 @@ class DataConfig:
     # Groups (prompts) per step over all ranks. The groups x generations samples are split evenly over the
     # ranks, so a group may straddle ranks (its statistics are gathered).
     num_groups_per_step: int = 4
-    shuffle: bool = True
 
     def __post_init__(self) -> None:
         _check(self.num_generations >= 2, "data.num_generations", "group-relative advantages need >= 2.")

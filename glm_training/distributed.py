@@ -28,18 +28,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DISTRIBUTED_ENV_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
-
 
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
     local_rank: int
     world_size: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
@@ -141,14 +135,6 @@ def make_accelerator(
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_initialized() else 1
-
-
-def get_rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
 
 
 def barrier() -> None:

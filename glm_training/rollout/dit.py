@@ -13,7 +13,7 @@ within a group differ only through the DiT's noise.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -66,11 +66,6 @@ class GuidanceInputs:
             return None if t is None else t.to(device)
 
         return GuidanceInputs(*(move(getattr(self, f)) for f in self.__dataclass_fields__))  # type: ignore[arg-type]
-
-    def select(self, index: torch.Tensor | slice) -> GuidanceInputs:
-        return GuidanceInputs(
-            *(None if (t := getattr(self, f)) is None else t[index] for f in self.__dataclass_fields__)
-        )
 
 
 def predict_velocity(
@@ -133,7 +128,6 @@ class DiTTrajectory:
     log_probs_bs: torch.Tensor
     step_indices: list[int]
     final_latents: torch.Tensor
-    extras: dict = field(default_factory=dict)
 
 
 @torch.no_grad()
