@@ -107,6 +107,7 @@ def save_checkpoint(
     lr_scheduler: Any,
     ema_state: dict | None,
     config_yaml: str,
+    component: str,
     rank: int,
     is_main: bool,
     barrier,
@@ -131,7 +132,7 @@ def save_checkpoint(
     barrier()
     if is_main:
         # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step}), encoding="utf-8")
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "component": component}), encoding="utf-8")
         tmp.rename(final)
         logger.info("saved checkpoint %s", final)
     barrier()

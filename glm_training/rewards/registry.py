@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import difflib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -98,3 +99,30 @@ def build_reward(name: str, **options: Any) -> Reward:
     """Construct the reward registered under `name` with `options` as constructor keywords."""
     check_reward_options(name, options)
     return reward_class(name)(**options)
+
+
+def reward_device(device: str = "auto") -> torch.device:
+    """The device a reward model runs on: "auto" is this process's own device (`cuda:LOCAL_RANK` or CPU)."""
+    if device == "auto":
+        from glm_training.distributed import choose_device
+
+        return choose_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"reward device {device!r} is not a device; use 'auto', 'cpu' or 'cuda:N'") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"reward device {device!r} asked for CUDA but none is available; use 'auto' or 'cpu'"
+        )
+    return resolved
+
+
+REWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def reward_dtype(dtype: str = "float32") -> torch.dtype:
+    """A reward model's weight dtype from its config name."""
+    if dtype not in REWARD_DTYPES:
+        raise ValueError(f"reward dtype {dtype!r} is not one of {sorted(REWARD_DTYPES)}")
+    return REWARD_DTYPES[dtype]

@@ -43,7 +43,12 @@ from glm_training.config import config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
 from glm_training.metrics import MetricsWriter
 from glm_training.models.placement import describe_module, run_stage
-from glm_training.models.wrapper import GLMImageWrapper, load_for_training, resolve_model_path
+from glm_training.models.wrapper import (
+    GLMImageWrapper,
+    add_lora_adapters,
+    load_for_training,
+    resolve_model_path,
+)
 from glm_training.rewards import RewardSet
 
 logger = logging.getLogger("glm_training")
@@ -266,22 +271,7 @@ class RewardTrainer:
         lora = self.cfg.model.lora
         self.reference: nn.Module | None = None
         if lora.enabled:
-            from peft import LoraConfig
-
-            module.requires_grad_(False)
-            module.add_adapter(
-                LoraConfig(
-                    r=lora.rank,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules),
-                    init_lora_weights=True,
-                )
-            )
-            # Adapters train in float32 even when the base weights are bf16 (the usual LoRA recipe).
-            for p in module.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
+            add_lora_adapters(module, lora)
         else:
             for sub in self._trainable_submodules(module):
                 sub.requires_grad_(True)
@@ -393,6 +383,7 @@ class RewardTrainer:
             lr_scheduler=self.lr_scheduler,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
             config_yaml=config_to_yaml(self.cfg),
+            component=self.component,
             rank=self.rank,
             is_main=self.is_main,
             barrier=dist.barrier,
