@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+    # Only finished folders: a save cut short leaves `step-NNNNNN.tmp`, which must never be resumed from.
+    found = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)]
     return sorted((p for p in found if (p / STATE_FILE).is_file()), key=lambda p: p.name)
 
 
@@ -61,6 +63,11 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
             f"as <output_dir>/checkpoints/{CHECKPOINT_PREFIX}000010, or 'latest'."
         )
     return path
+
+
+def read_checkpoint_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's `trainer_state.json`: {"step": N, "component": "dit" | "ar"}."""
+    return json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
 
 
 def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -156,7 +163,7 @@ def load_checkpoint(
     rank: int,
 ) -> tuple[int, dict | None]:
     """Restore everything `save_checkpoint` wrote; returns (step, EMA state or None)."""
-    step = int(json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"])
+    step = int(read_checkpoint_state(path)["step"])
     load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=False))

@@ -7,13 +7,26 @@ dynamic-sampling budget) print one message naming the problem and the fix, and e
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 
 def run(trainer_cls: type, default_config: str, argv: list[str] | None = None) -> int:
+    from glm_training.config import load_config
+
+    def train() -> str:
+        cfg = load_config(sys.argv[1:] if argv is None else argv, default_config)
+        return f"done: outputs in {trainer_cls(cfg).train()}"
+
+    return report_user_errors(train)
+
+
+def report_user_errors(body: Callable[[], str]) -> int:
+    """Run `body`: a user error prints one line and returns 2; success prints `body`'s message, returns 0."""
     from glm_training.checkpoint import CheckpointError
-    from glm_training.config import ConfigError, load_config
+    from glm_training.config import ConfigError
     from glm_training.data import PromptFileError
     from glm_training.models.placement import PlacementError
+    from glm_training.rewards.remote import RemoteRewardError
     from glm_training.trainers.ar_trainer import DynamicSamplingExhausted
 
     user_errors = (
@@ -23,10 +36,10 @@ def run(trainer_cls: type, default_config: str, argv: list[str] | None = None) -
         PlacementError,
         DynamicSamplingExhausted,
         FileExistsError,
+        RemoteRewardError,
     )
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv, default_config)
-        output_dir = trainer_cls(cfg).train()
+        message = body()
     except user_errors as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -37,7 +50,7 @@ def run(trainer_cls: type, default_config: str, argv: list[str] | None = None) -
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"done: outputs in {output_dir}")
+    print(message)
     return 0
 
 

@@ -31,6 +31,7 @@ from omegaconf.errors import (
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 BUNDLED_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts_tiny.txt"
+BUNDLED_EVAL_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts_eval.txt"
 
 
 class ConfigError(ValueError):
@@ -145,9 +146,16 @@ class RewardConfig:
     names: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
     weights: list[float] = field(default_factory=list)  # empty = 1.0 each
     options: dict[str, Any] = field(default_factory=dict)  # per reward name: constructor keyword arguments
+    # weighted_sum: sum_k w_k r_k. normalized_sum: each reward standardised within its group first, so rewards
+    # on different scales count by their weights alone (see `rewards/combine.py`).
+    combine: str = "weighted_sum"
+    # Score each decoded micro-batch in a worker thread while the rollout samples the next one. The scores
+    # are the same either way; it saves time when a reward model and the rollout can run side by side.
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         _check(len(self.names) > 0, "reward.names", "name at least one reward.")
+        _check_choice(self.combine, ("weighted_sum", "normalized_sum"), "reward.combine")
         _check(
             not self.weights or len(self.weights) == len(self.names),
             "reward.weights",
@@ -164,6 +172,62 @@ class RewardConfig:
     def weight_map(self) -> dict[str, float]:
         weights = self.weights or [1.0] * len(self.names)
         return dict(zip(self.names, (float(w) for w in weights)))
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: deterministic sampling (ODE, no SDE noise, one fixed seed per prompt).
+
+    Runs before the first step and every `every_n_steps` during training (0 = off), and standalone with
+    `python -m glm_training.evaluate`. Writes `<output_dir>/eval/<step>.json` and an image grid each time.
+    Zeros and nulls below mean "as the training sampling".
+    """
+
+    every_n_steps: int = 0
+    prompt_file: str = ""  # .txt or .jsonl like data.prompt_file; empty = the bundled held-out prompts
+    num_prompts: int = 0  # 0 = every prompt in the file
+    seed: int = 0  # each prompt's seed is derived from this and the prompt text
+    num_inference_steps: int = 0
+    guidance_scale: float | None = None
+    height: int = 0
+    width: int = 0
+    batch_size: int = 4
+    num_grid_images: int = 16
+
+    def __post_init__(self) -> None:
+        _check(self.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0 (0 = no evaluation).")
+        _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0 (0 = all prompts).")
+        _check(self.num_inference_steps >= 0, "eval.num_inference_steps", "must be >= 0.")
+        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1.")
+        _check(self.num_grid_images >= 0, "eval.num_grid_images", "must be >= 0.")
+        for key in ("height", "width"):
+            value = getattr(self, key)
+            _check(
+                value >= 0 and value % 32 == 0,
+                f"eval.{key}",
+                f"must be a multiple of 32 (or 0 = as training), got {value}.",
+            )
+
+    def resolved_prompt_file(self) -> Path:
+        return Path(self.prompt_file).expanduser() if self.prompt_file else BUNDLED_EVAL_PROMPTS
+
+
+@dataclass
+class LoggingConfig:
+    """Where scalars and image grids go besides metrics.jsonl; only rank 0 logs."""
+
+    tensorboard: bool = True  # <output_dir>/tensorboard
+    wandb: bool = False
+    wandb_project: str = "glm-training"
+    wandb_entity: str | None = None
+    wandb_mode: str = "online"  # online | offline (no network; `wandb sync` later) | disabled
+    images_every_n_steps: int = 10  # a captioned grid of training samples (0 = never)
+    num_images: int = 8
+
+    def __post_init__(self) -> None:
+        _check_choice(self.wandb_mode, ("online", "offline", "disabled"), "logging.wandb_mode")
+        _check(self.images_every_n_steps >= 0, "logging.images_every_n_steps", "must be >= 0 (0 = never).")
+        _check(self.num_images >= 1, "logging.num_images", "must be >= 1.")
 
 
 @dataclass
@@ -353,6 +417,8 @@ class DiTTrainConfig:
     algo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
@@ -371,6 +437,8 @@ class ARTrainConfig:
     algo: DAPOConfig = field(default_factory=DAPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         _check(
@@ -499,6 +567,29 @@ def compose_config(command: CommandLine) -> Any:
 def load_config(argv: list[str], default_config: str) -> Any:
     """Parse argv and return the validated config dataclass (`DiTTrainConfig` or `ARTrainConfig`)."""
     return compose_config(parse_command_line(argv, default_config))
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Any:
+    """A run's saved `config.yaml` (checkpoints carry one) with `key=value` overrides, as the typed config."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            "config.yaml", f"'{path}' does not exist; a checkpoint folder holds its run's config.yaml."
+        )
+    saved = OmegaConf.load(path)
+    component = saved.get("component", "dit")
+    schema = {"dit": DiTTrainConfig, "ar": ARTrainConfig}.get(component)
+    if schema is None:
+        raise ConfigError("component", f"'{component}' in {path} is neither 'dit' nor 'ar'.")
+    try:
+        cfg = OmegaConf.merge(
+            OmegaConf.structured(schema), saved, OmegaConf.from_dotlist(list(overrides or []))
+        )
+        return OmegaConf.to_object(cfg)
+    except (ConfigKeyError, ConfigAttributeError) as err:
+        raise _unknown_key_error(err) from None
+    except ValidationError as err:
+        raise ConfigError(_full_key(err), f"wrong type or value: {err.msg.splitlines()[0]}") from None
 
 
 def _full_key(err: OmegaConfBaseException) -> str:

@@ -21,6 +21,7 @@ SMALL = [
     "sampling.num_steps=3",
     "data.num_groups_per_step=2",
     "data.num_generations=3",
+    "eval.every_n_steps=0",
 ]
 METRIC_KEYS = {
     "step",
@@ -51,6 +52,25 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     # Per-step noise of the mean reward is ~0.02; the default run gains ~0.4 (docs/benchmarks.md).
     assert last - first > 0.15, rewards.round(3).tolist()
     assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "config.yaml").is_file()
+
+    # Held-out evaluation (on by default: before training and every 20 steps) shows the gain too.
+    evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
+    assert sorted(evals) == [0, 20, 40, 60]
+    assert all((tmp_path / "eval" / f"{s:06d}.png").is_file() for s in evals)
+    before, after = evals[0]["reward_mean"], evals[60]["reward_mean"]
+    assert after - before > 0.1, {s: e["reward_mean"] for s, e in evals.items()}  # measured: +0.24
+    assert rows[19]["eval/reward_mean"] == pytest.approx(evals[20]["reward_mean"])
+
+    # TensorBoard (on by default) holds the scalars of metrics.jsonl and the image grids.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+    assert [s for s, _ in logged] == [r["step"] for r in rows]
+    np.testing.assert_allclose([v for _, v in logged], rewards, rtol=1e-6)
+    assert {"train/samples", "eval/samples"} <= set(events.Tags()["images"])
+    assert [e.step for e in events.Images("eval/samples")] == [0, 20, 40, 60]
 
 
 def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
@@ -98,13 +118,17 @@ def test_an_existing_run_is_never_overwritten(tmp_path):
         ),
         ({}, ["reward.names=[jpeg_compresibility]"], "Did you mean 'jpeg_compressibility'"),
         ({"plain.txt": "a cat\n"}, ["data.prompt_file=plain.txt", "reward.names=[ocr]"], "no quoted text"),
+        ({"empty.txt": "\n"}, ["eval.prompt_file=empty.txt"], "eval.prompt_file: prompt file"),
+        ({}, ["reward.names=[no_such_module:fn]"], "cannot import module 'no_such_module'"),
     ],
-    ids=["empty", "missing", "bad-jsonl", "unknown-reward", "ocr-without-quotes"],
+    ids=["empty", "missing", "bad-jsonl", "unknown-reward", "ocr-without-quotes", "empty-eval", "user-fn"],
 )
 def test_bad_input_exits_with_a_clear_error_before_loading(tmp_path, files, args, needle):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    fixed = [a.replace("=", f"={tmp_path}/", 1) if a.startswith("data.prompt_file") else a for a in args]
+    fixed = [
+        a.replace("=", f"={tmp_path}/", 1) if a.split("=")[0].endswith("prompt_file") else a for a in args
+    ]
     result = run_cli([PYTHON, "train_dit.py", *fixed, f"trainer.output_dir={tmp_path / 'out'}"], timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert needle in result.stderr

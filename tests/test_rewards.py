@@ -200,7 +200,8 @@ def test_reward_set_weighted_sum():
         options={"test_constant_reward": {"offset": 1.0}},
     )
     assert reward_set.names == ["test_constant_reward", "jpeg_compressibility"]
-    total, raw = reward_set(images, ["a", "b"], [{}, {}])
+    raw = reward_set(images, ["a", "b"], [{}, {}])
+    total = reward_set.combine(raw, num_generations=2)
     jpeg = raw["jpeg_compressibility"]
     torch.testing.assert_close(raw["test_constant_reward"], torch.tensor([1.0, 2.0]))
     # total_i = 2 * (1 + i) - 0.5 * jpeg_i
@@ -227,3 +228,128 @@ def test_reward_set_validates_config():
         RewardSet({"jpeg_compressibility": 1.0}, options={"ocr": {"use_det": False}})
     with pytest.raises(ValueError, match="unknown option"):
         RewardSet({"ocr": 1.0}, options={"ocr": {"use_dett": False}})
+
+
+# --------------------------------------------------------------------------- combining
+
+
+def test_normalized_sum_against_hand_arithmetic():
+    from glm_training.rewards.combine import normalized_sum, weighted_sum
+
+    # Two groups of K=2. Reward a: group 0 = [1, 3] -> mean 2, std 1 -> z = [-1, 1];
+    # group 1 = [5, 5] -> flat -> z = [0, 0]. Reward b: group 0 = [10, 30] -> z = [-1, 1];
+    # group 1 = [0, 40] -> mean 20, std 20 -> z = [-1, 1].
+    parts = {"a": torch.tensor([1.0, 3.0, 5.0, 5.0]), "b": torch.tensor([10.0, 30.0, 0.0, 40.0])}
+    weights = {"a": 2.0, "b": 0.5}
+    total = normalized_sum(parts, weights, num_generations=2, eps=0.0)
+    # total = 2 * z_a + 0.5 * z_b = [-2.5, 2.5, -0.5, 0.5]
+    torch.testing.assert_close(total, torch.tensor([-2.5, 2.5, -0.5, 0.5]))
+    # The weighted sum: 2 * a + 0.5 * b = [7, 21, 10, 30]
+    torch.testing.assert_close(weighted_sum(parts, weights, 2), torch.tensor([7.0, 21.0, 10.0, 30.0]))
+    # Scale invariance: multiplying a reward by 1000 does not change the normalised total.
+    scaled = {"a": parts["a"] * 1000.0, "b": parts["b"]}
+    torch.testing.assert_close(normalized_sum(scaled, weights, 2, eps=0.0), total)
+
+
+def test_reward_set_combine_modes():
+    with pytest.raises(ValueError, match="unknown reward combination 'mean'"):
+        RewardSet({"jpeg_compressibility": 1.0}, combine="mean")
+    reward_set = RewardSet({"jpeg_compressibility": 1.0}, combine="normalized_sum")
+    images = [noise_image(seed=i, size=16 + 8 * i) for i in range(4)]
+    parts = reward_set(images, list("abcd"), [{}] * 4)
+    total = reward_set.combine(parts, num_generations=2)
+    # Each group of two normalises to (-1, +1) up to eps, in the order of the raw scores.
+    assert torch.allclose(total.abs(), torch.ones(4), atol=1e-3)
+    assert torch.equal(total.view(2, 2).argmax(1), parts["jpeg_compressibility"].view(2, 2).argmax(1))
+
+
+@register_reward("test_slow_reward")
+class SlowReward(Reward):
+    """Sleeps, records the calling thread, and scores each image by its width."""
+
+    def __init__(self, sleep_s: float = 0.0) -> None:
+        self.sleep_s = sleep_s
+        self.threads: list[str] = []
+
+    def __call__(self, images, prompts, metadata):
+        import threading
+
+        time.sleep(self.sleep_s)
+        self.threads.append(threading.current_thread().name)
+        return torch.tensor([float(img.width) for img in images])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_scoring_queue_keeps_order_and_overlaps(overlap):
+    reward_set = RewardSet({"test_slow_reward": 1.0}, options={"test_slow_reward": {"sleep_s": 0.2}})
+    queue = reward_set.queue(overlap=overlap)
+    start = time.perf_counter()
+    for width in (8, 16, 24):
+        queue.submit([Image.new("RGB", (width, 8)), Image.new("RGB", (width + 1, 8))], ["p", "q"], [{}, {}])
+        time.sleep(0.2)  # the "rollout" of the next chunk
+    scores = queue.result()["test_slow_reward"]
+    elapsed = time.perf_counter() - start
+    reward_set.close()
+    torch.testing.assert_close(scores, torch.tensor([8.0, 9.0, 16.0, 17.0, 24.0, 25.0]))
+    threads = reward_set.rewards["test_slow_reward"].threads
+    if overlap:
+        # Scoring ran beside the sleeps: 3 x 0.2 s of rollout + the last chunk's 0.2 s, not 6 x 0.2 s.
+        assert all(t.startswith("reward") for t in threads) and elapsed < 1.1, elapsed
+    else:
+        assert threads == ["MainThread"] * 3 and elapsed >= 1.2, elapsed
+
+
+def test_scoring_queue_reraises_a_reward_error():
+    reward_set = RewardSet({"test_constant_reward": 1.0}, options={"test_constant_reward": {"bad": "nan"}})
+    queue = reward_set.queue(overlap=True)
+    queue.submit([Image.new("RGB", (8, 8))] * 2, ["a", "b"], [{}, {}])
+    with pytest.raises(ValueError, match="'test_constant_reward' returned non-finite"):
+        queue.result()
+    reward_set.close()
+
+
+# --------------------------------------------------------------------------- user reward functions
+
+
+@pytest.fixture
+def user_rewards_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+
+
+def test_user_function_reward(user_rewards_on_path):
+    name = "user_rewards.brightness:mean_brightness"
+    reward_set = RewardSet({name: 1.0, "jpeg_compressibility": 0.0}, options={name: {"scale": 2.0}})
+    images = [Image.new("RGB", (8, 8), (255, 255, 255)), Image.new("RGB", (8, 8), (0, 0, 0))]
+    parts = reward_set(images, ["a", "b"], [{}, {}])
+    # scale 2 x brightness: white = 2 * 1.0, black = 0.
+    torch.testing.assert_close(parts[name], torch.tensor([2.0, 0.0]))
+
+
+def test_user_function_from_a_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def width(images, prompts, metadata):\n    return [im.width for im in images]\n")
+    reward_set = RewardSet({f"{path}:width": 1.0})
+    parts = reward_set([Image.new("RGB", (5, 8)), Image.new("RGB", (7, 8))], ["a", "b"], [{}, {}])
+    torch.testing.assert_close(parts[f"{path}:width"], torch.tensor([5.0, 7.0]))
+
+
+def test_user_function_with_wrong_shape_fails_on_first_batch_naming_it(user_rewards_on_path):
+    name = "user_rewards.brightness:one_score_for_all"
+    reward_set = RewardSet({name: 1.0})
+    with pytest.raises(ValueError, match=rf"reward '{name}' returned shape \(1,\) for 2 images.*one score"):
+        reward_set([Image.new("RGB", (8, 8))] * 2, ["a", "b"], [{}, {}])
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("user_rewards.nope:f", {}, "cannot import module 'user_rewards.nope'"),
+        ("user_rewards.brightness:missing", {}, "has no 'missing'.*mean_brightness"),
+        ("user_rewards.brightness:NOT_CALLABLE", {}, "not a function"),
+        ("user_rewards.brightness:mean_brightness", {"scal": 1.0}, "cannot be called.*scal"),
+        ("/no/such/file.py:f", {}, "does not exist"),
+    ],
+)
+def test_user_function_errors_at_start_up(user_rewards_on_path, name, options, message):
+    with pytest.raises(ValueError, match=message):
+        RewardSet({name: 1.0}, options={name: options} if options else None)

@@ -1,34 +1,96 @@
-"""Weighted sum of several rewards (the multi-reward setting of Flow-GRPO / DDPO configs).
+"""Several rewards as one: scoring (optionally overlapped with the rollout) and combining into one total.
 
-total_n = sum_k weight_k * scores_k_n. Each reward's raw scores are returned too, for logging
-and for per-reward statistics. Every reward's output is validated (shape [N], finite) so a broken
-reward fails loudly with its name instead of silently poisoning the advantages.
+Two ways to combine the raw scores `r_k` of rewards k = 1..R into the total a group's advantages come from:
+
+- `weighted_sum`: total_n = sum_k w_k * r_k_n (the multi-reward setting of Flow-GRPO / DDPO configs and TRL's
+  `reward_weights`). Weights carry the units: a reward in kB and one in [0, 1] need very different weights.
+- `normalized_sum`: each reward is first standardised within its prompt group,
+  z_k_n = (r_k_n - mean_g(r_k)) / (std_g(r_k) + eps), then total_n = sum_k w_k * z_k_n. Rewards on
+  different scales then count by their weights alone, and a reward that is flat within a group contributes 0
+  there instead of drowning the others' signal.
+
+Both operate on a whole step's scores gathered from every rank (group-major, K samples per group), because a
+group may straddle ranks. Every reward's output is validated (shape [N], finite) on every batch, so a broken
+reward, including a user's own function (`module:function`, see `callable_reward.py`), fails with its name.
+
+Scoring can overlap with the rollout: the rollout hands each decoded micro-batch to a `ScoringQueue`, which
+with `overlap=True` scores it in a worker thread while the next micro-batch samples (the approach of
+Flow-GRPO's reward executor). Chunks are scored in submission order by the same calls either way, so the
+scores do not depend on the setting.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from PIL import Image
 
+from glm_training.rewards.callable_reward import CallableReward, is_callable_target
 from glm_training.rewards.registry import Reward, build_reward, check_reward_options
+
+Scores = dict[str, torch.Tensor]  # reward name -> raw scores [N], float32 on the CPU
+
+
+def weighted_sum(parts: Scores, weights: dict[str, float], num_generations: int) -> torch.Tensor:
+    """total_n = sum_k weights[k] * parts[k]_n, float32 [N]; `num_generations` is unused (same signature)."""
+    del num_generations
+    names = list(weights)
+    total = torch.zeros_like(parts[names[0]], dtype=torch.float32)
+    for name in names:
+        total += weights[name] * parts[name].float()
+    return total
+
+
+def normalized_sum(
+    parts: Scores, weights: dict[str, float], num_generations: int, eps: float = 1e-4
+) -> torch.Tensor:
+    """total_n = sum_k weights[k] * (r_k_n - group mean) / (group std + eps), float32 [G * K].
+
+    `parts[k]` is [G * K], group-major with K = `num_generations` samples per group; std is the population std
+    (unbiased=False), as in the group advantages; a group where a reward is constant contributes 0 for it.
+    """
+    total = None
+    for name, weight in weights.items():
+        r_gk = parts[name].float().view(-1, num_generations)
+        std_g1 = r_gk.std(dim=1, keepdim=True, unbiased=False)
+        # A flat group carries no preference: exactly 0, whatever eps is.
+        z_gk = torch.where(std_g1 > 0, (r_gk - r_gk.mean(dim=1, keepdim=True)) / (std_g1 + eps), 0.0)
+        term = weight * z_gk.reshape(-1)
+        total = term if total is None else total + term
+    return total
+
+
+COMBINE_FNS: dict[str, Callable[..., torch.Tensor]] = {
+    "weighted_sum": weighted_sum,
+    "normalized_sum": normalized_sum,
+}
 
 
 class RewardSet:
     """The rewards named in `weights`, built with `options[name]` as constructor keywords.
 
-    Names, weights and options are all validated before any reward (and so any reward model) is
-    built, so a typo fails at start-up with the available names and the closest match.
+    A name is a registered reward (`available_rewards()`) or a user's callable as `module:function` (or
+    `path/to/file.py:function`). Names, weights and options are all validated before any reward (and so any
+    reward model) is built, so a typo fails at start-up with the available names and the closest match.
     """
 
-    def __init__(self, weights: dict[str, float], options: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        weights: dict[str, float],
+        options: dict[str, dict[str, Any]] | None = None,
+        combine: str = "weighted_sum",
+    ) -> None:
         options = dict(options or {})
         if not weights:
             raise ValueError(
                 "no rewards configured: give at least one reward name with its weight, e.g. {'ocr': 1.0}"
             )
+        if combine not in COMBINE_FNS:
+            raise ValueError(f"unknown reward combination {combine!r}; choose one of {sorted(COMBINE_FNS)}")
         for name, weight in weights.items():
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise ValueError(f"reward {name!r} has weight {weight!r}; weights must be finite numbers")
@@ -39,49 +101,93 @@ class RewardSet:
                 f"(weight 0.0 to only log them) or remove their options. Weighted rewards: {list(weights)}"
             )
         for name in weights:
-            check_reward_options(name, options.get(name, {}))
+            if not is_callable_target(name):
+                check_reward_options(name, options.get(name, {}))
 
         self.names: list[str] = list(weights)
         self.weights: dict[str, float] = {name: float(weight) for name, weight in weights.items()}
-        self.rewards: dict[str, Reward] = {
-            name: build_reward(name, **options.get(name, {})) for name in self.names
-        }
+        self.combine_fn = COMBINE_FNS[combine]
+        self.rewards: dict[str, Reward] = {name: _build(name, options.get(name, {})) for name in self.names}
+        self._executor: ThreadPoolExecutor | None = None
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         """Run every reward's prompt check (ValueError naming the prompt and the fix)."""
         for reward in self.rewards.values():
             reward.check_prompts(prompts, metadata)
 
-    def __call__(
-        self, images: list[Image.Image], prompts: list[str], metadata: list[dict]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Returns (`total_n` weighted sum [N], {name: raw `scores_n` [N]}), float32 on CPU."""
+    def __call__(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> Scores:
+        """Every reward's raw scores of the batch: {name: `scores_n` [N]}, float32 on the CPU, validated."""
         num_images = len(images)
         if not num_images == len(prompts) == len(metadata):
             raise ValueError(
                 f"got {num_images} images, {len(prompts)} prompts and {len(metadata)} metadata entries"
             )
-        total_n = torch.zeros(num_images, dtype=torch.float32)
-        raw: dict[str, torch.Tensor] = {}
-        for name, reward in self.rewards.items():
-            scores_n = reward(images, prompts, metadata)
-            if not isinstance(scores_n, torch.Tensor):
-                raise TypeError(
-                    f"reward {name!r} returned {type(scores_n).__name__}, expected a torch.Tensor"
-                )
-            if tuple(scores_n.shape) != (num_images,):
-                raise ValueError(
-                    f"reward {name!r} returned shape {tuple(scores_n.shape)} for {num_images} images; "
-                    f"expected ({num_images},)"
-                )
-            scores_n = scores_n.detach().to(device="cpu", dtype=torch.float32)
-            bad = ~torch.isfinite(scores_n)
-            if bad.any():
-                indices = bad.nonzero().flatten().tolist()
-                raise ValueError(
-                    f"reward {name!r} returned non-finite scores at indices {indices} "
-                    f"(prompts {[prompts[i] for i in indices[:3]]})"
-                )
-            raw[name] = scores_n
-            total_n += self.weights[name] * scores_n
-        return total_n, raw
+        return {
+            name: _validated(name, reward(images, prompts, metadata), prompts)
+            for name, reward in self.rewards.items()
+        }
+
+    def combine(self, parts: Scores, num_generations: int) -> torch.Tensor:
+        """The total [N] of a whole step's gathered scores (group-major, `num_generations` per group)."""
+        return self.combine_fn(parts, self.weights, num_generations)
+
+    def queue(self, overlap: bool = False) -> ScoringQueue:
+        """A queue for one rollout's chunks; `overlap` scores them in a worker thread as they arrive."""
+        if overlap and self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        return ScoringQueue(self, self._executor if overlap else None)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+class ScoringQueue:
+    """Collects the rollout's chunks in order and returns their scores concatenated."""
+
+    def __init__(self, reward_set: RewardSet, executor: ThreadPoolExecutor | None) -> None:
+        self.reward_set = reward_set
+        self.executor = executor
+        self._pending: list[Future | Scores] = []
+
+    def submit(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> None:
+        if self.executor is None:
+            self._pending.append(self.reward_set(images, prompts, metadata))
+        else:
+            self._pending.append(self.executor.submit(self.reward_set, images, prompts, metadata))
+
+    def result(self) -> Scores:
+        """{name: [N]} over all submitted chunks, in submission order; re-raises a reward's error."""
+        chunks = [p.result() if isinstance(p, Future) else p for p in self._pending]
+        self._pending = []
+        names = self.reward_set.names
+        if not chunks:
+            return {name: torch.zeros(0) for name in names}
+        return {name: torch.cat([c[name] for c in chunks]) for name in names}
+
+
+def _build(name: str, options: dict[str, Any]) -> Reward:
+    if is_callable_target(name):
+        return CallableReward(name, **options)
+    return build_reward(name, **options)
+
+
+def _validated(name: str, scores_n: Any, prompts: list[str]) -> torch.Tensor:
+    num_images = len(prompts)
+    if not isinstance(scores_n, torch.Tensor):
+        raise TypeError(f"reward {name!r} returned {type(scores_n).__name__}, expected a torch.Tensor")
+    if tuple(scores_n.shape) != (num_images,):
+        raise ValueError(
+            f"reward {name!r} returned shape {tuple(scores_n.shape)} for {num_images} images; "
+            f"expected ({num_images},): one score per image"
+        )
+    scores_n = scores_n.detach().to(device="cpu", dtype=torch.float32)
+    bad = ~torch.isfinite(scores_n)
+    if bad.any():
+        indices = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"reward {name!r} returned non-finite scores at indices {indices} "
+            f"(prompts {[prompts[i] for i in indices[:3]]})"
+        )
+    return scores_n

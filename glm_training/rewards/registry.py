@@ -113,7 +113,7 @@ def reward_device(device: str = "auto") -> torch.device:
         raise ValueError(f"reward device {device!r} is not a device; use 'auto', 'cpu' or 'cuda:N'") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"reward device {device!r} asked for CUDA but none is available; use 'auto' or 'cpu'"
+            f"reward device {device!r} asks for CUDA, which is not available; use 'auto' or 'cpu'"
         )
     return resolved
 

@@ -247,3 +247,30 @@ def generate_prior_tokens(
         prompt=list(prompts), height=height, width=width, device=device, generator=generator
     )
     return prior.cpu()
+
+
+@torch.no_grad()
+def render_with_pipeline(
+    pipeline,
+    prompts: Sequence[str],
+    prior_token_ids: torch.Tensor,
+    latents: torch.Tensor,
+    height: int,
+    width: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+) -> list:
+    """Decode prior tokens [B, L] from initial latents [B, C, h, w] with the pipeline's own ODE sampler.
+
+    Used where the DiT is not what trains (the AR trainer's images, evaluation), so the images are exactly
+    what `GlmImagePipeline` produces for these tokens and this noise.
+    """
+    return pipeline(
+        prompt=list(prompts),
+        prior_token_ids=prior_token_ids,
+        latents=latents,
+        height=height,
+        width=width,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+    ).images

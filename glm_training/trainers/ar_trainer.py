@@ -36,6 +36,7 @@ from glm_training.algorithms.losses import (
     ratio_stats,
 )
 from glm_training.data import Prompt
+from glm_training.rewards.combine import ScoringQueue
 from glm_training.rollout.ar import (
     ARSamples,
     SamplingParams,
@@ -44,6 +45,7 @@ from glm_training.rollout.ar import (
     split_samples,
     teacher_forced_log_probs,
 )
+from glm_training.rollout.dit import render_with_pipeline
 from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
 
 logger = logging.getLogger("glm_training")
@@ -89,7 +91,12 @@ class ARTrainer(RewardTrainer):
     # Rollout
 
     def _rollout(
-        self, group_prompts: list[Prompt], group_ids: list[int], step: int, round_index: int = 0
+        self,
+        group_prompts: list[Prompt],
+        group_ids: list[int],
+        step: int,
+        scoring: ScoringQueue,
+        round_index: int = 0,
     ) -> tuple[ARRollout, list]:
         s = self.cfg.sampling
         texts = [group_prompts[g].text for g in group_ids]
@@ -102,7 +109,8 @@ class ARTrainer(RewardTrainer):
             seed=self.sample_seed(step, round_index),
         )
         seeds = self._noise_seeds(texts, group_ids, step, round_index)
-        images = self._render(samples.prior_token_ids, texts, seeds)
+        prompts = [group_prompts[g] for g in group_ids]
+        images = self._render(samples.prior_token_ids, prompts, seeds, scoring)
         return ARRollout(split_samples(samples)), images
 
     def _noise_seeds(self, texts: list[str], group_ids: list[int], step: int, round_index: int) -> list[int]:
@@ -114,8 +122,8 @@ class ARTrainer(RewardTrainer):
         return [base + g for g in group_ids]
 
     @torch.no_grad()
-    def _render(self, prior: torch.Tensor, texts: list[str], seeds: list[int]):
-        """Decode each sample's tokens with the frozen DiT, from the sample's noise seed."""
+    def _render(self, prior: torch.Tensor, prompts: list[Prompt], seeds: list[int], scoring: ScoringQueue):
+        """Decode each sample's tokens with the frozen DiT from its noise seed; score chunk by chunk."""
         s = self.cfg.sampling
         pipe = self.wrapper.pipeline
         shape = (
@@ -126,16 +134,20 @@ class ARTrainer(RewardTrainer):
         latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
         images = []
         chunk = self.cfg.algo.micro_batch_size
-        for start in range(0, len(texts), chunk):
-            images += pipe(
-                prompt=texts[start : start + chunk],
-                prior_token_ids=prior[start : start + chunk].to(self.device),
-                latents=latents[start : start + chunk].to(self.device),
-                height=s.height,
-                width=s.width,
-                num_inference_steps=s.dit_num_steps,
-                guidance_scale=s.dit_guidance_scale,
-            ).images
+        for start in range(0, len(prompts), chunk):
+            chunk_prompts = prompts[start : start + chunk]
+            chunk_images = render_with_pipeline(
+                pipe,
+                [p.text for p in chunk_prompts],
+                prior[start : start + chunk].to(self.device),
+                latents[start : start + chunk].to(self.device),
+                s.height,
+                s.width,
+                s.dit_num_steps,
+                s.dit_guidance_scale,
+            )
+            self.submit_chunk(scoring, chunk_images, chunk_prompts)
+            images += chunk_images
         return images
 
     # ---------------------------------------------------------------------------------------------------
@@ -149,21 +161,29 @@ class ARTrainer(RewardTrainer):
         pool: list[list[dict]] = []  # valid groups, identical on every rank
         self.last_sampling_decisions: list[dict] = []  # every generated group and whether it was kept
         generated_rewards, generated_parts, num_groups_seen, rounds = [], [], 0, 0
+        preview = None
         while True:
             group_prompts, group_ids = self._step_samples(step, round_index=rounds)
-            rollout, images = self._rollout(group_prompts, group_ids, step, rounds)
-            rewards, parts = self._score(images, [group_prompts[g] for g in group_ids])
-            for record, prompt_index, reward in zip(rollout.records, group_ids, rewards):
-                record["reward"] = reward.reshape(())
+            scoring = self.rewards.queue(overlap=self.cfg.reward.overlap)
+            rollout, images = self._rollout(group_prompts, group_ids, step, scoring, rounds)
+            parts = scoring.result()
+            for record, prompt_index, i in zip(rollout.records, group_ids, range(len(group_ids))):
                 record["prompt"] = group_prompts[prompt_index]
-            for record, i in zip(rollout.records, range(len(group_ids))):
                 record["parts"] = {name: values[i].reshape(()) for name, values in parts.items()}
             # Everyone sees every sample (as CPU tensors, moved to this rank's device on arrival).
             everyone = dist.flatten(dist.gather_objects(rollout.records, device=self.device))
-            groups = [everyone[g * k : (g + 1) * k] for g in range(len(everyone) // k)]
-            rewards_gk = (
-                torch.stack([torch.stack([r["reward"] for r in grp]) for grp in groups]).float().cpu()
+            # Whole groups are gathered, so the totals combine every reward over complete groups.
+            totals = self.rewards.combine(
+                {n: torch.stack([r["parts"][n] for r in everyone]).float().cpu() for n in parts}, k
             )
+            for record, total in zip(everyone, totals):
+                record["reward"] = total.reshape(())
+            if preview is None:
+                start, _ = dist.shard_bounds(len(everyone), self.rank, self.world_size)
+                mine = totals[start : start + len(images)].tolist()
+                preview = (images, [group_prompts[g].text for g in group_ids], mine)
+            groups = [everyone[g * k : (g + 1) * k] for g in range(len(everyone) // k)]
+            rewards_gk = totals.view(-1, k)
             flat = zero_std_groups(rewards_gk)
             pool += [grp for grp, is_flat in zip(groups, flat.tolist()) if not is_flat]
             self.last_sampling_decisions += [
@@ -199,7 +219,7 @@ class ARTrainer(RewardTrainer):
         for name in generated_parts[0]:
             stats[f"reward/{name}"] = torch.cat([p[name] for p in generated_parts]).mean().item()
         if not pool:
-            return Batch([], [], torch.zeros(0), {}, torch.zeros(0), ARRollout([]), stats)
+            return Batch([], [], torch.zeros(0), {}, torch.zeros(0), ARRollout([]), stats, preview)
         pool_records = dist.flatten(pool)
         pool_rewards = torch.stack([r["reward"] for r in pool_records]).float().cpu()
         advantages, _ = self.global_advantages(pool_rewards, {})
@@ -213,6 +233,7 @@ class ARTrainer(RewardTrainer):
             advantages[start:end],
             ARRollout(mine),
             stats,
+            preview,
         )
 
     def _budget_exhausted(self, pool: list, num_valid: int, target: int, rounds: int) -> list:

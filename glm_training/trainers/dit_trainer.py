@@ -21,6 +21,7 @@ from glm_training import distributed as dist
 from glm_training.algorithms.losses import clipped_policy_loss, gaussian_mean_kl, ratio_stats
 from glm_training.data import Prompt
 from glm_training.models.placement import parse_dtype
+from glm_training.rewards.combine import ScoringQueue
 from glm_training.rollout.dit import (
     DiTTrajectory,
     build_guidance_inputs,
@@ -44,7 +45,7 @@ class DiTTrainer(RewardTrainer):
     component = "dit"
 
     def _rollout(
-        self, group_prompts: list[Prompt], group_ids: list[int], step: int
+        self, group_prompts: list[Prompt], group_ids: list[int], step: int, scoring: ScoringQueue
     ) -> tuple[DiTRollout, list]:
         s = self.cfg.sampling
         pipe = self.wrapper.pipeline
@@ -59,7 +60,7 @@ class DiTTrainer(RewardTrainer):
             s.height // pipe.vae_scale_factor,
             s.width // pipe.vae_scale_factor,
         )
-        trajectories = []
+        trajectories, images = [], []
         for start in range(0, len(sample_prompts), s.micro_batch_size):
             chunk = sample_prompts[start : start + s.micro_batch_size]
             cond = build_guidance_inputs(
@@ -88,7 +89,9 @@ class DiTTrainer(RewardTrainer):
                         generator=generator,
                     )
                 )
-        images = decode_latents(pipe, torch.cat([t.final_latents for t in trajectories]))
+            chunk_images = decode_latents(pipe, trajectories[-1].final_latents)
+            self.submit_chunk(scoring, chunk_images, chunk)
+            images += chunk_images
         return DiTRollout(trajectories, timesteps, sigmas), images
 
     def _shared_prior_tokens(self, group_prompts: list[Prompt], step: int) -> torch.Tensor:

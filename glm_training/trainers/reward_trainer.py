@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from glm_training import distributed as dist
@@ -41,6 +42,15 @@ from glm_training.checkpoint import (
 )
 from glm_training.config import config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
+from glm_training.evaluate import (
+    eval_sampling,
+    eval_scalars,
+    evaluate_prompts,
+    grid_samples,
+    load_eval_prompts,
+    write_evaluation,
+)
+from glm_training.image_grid import caption
 from glm_training.metrics import MetricsWriter
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
@@ -50,6 +60,8 @@ from glm_training.models.wrapper import (
     resolve_model_path,
 )
 from glm_training.rewards import RewardSet
+from glm_training.rewards.combine import ScoringQueue
+from glm_training.tracking import build_tracker
 
 logger = logging.getLogger("glm_training")
 
@@ -66,11 +78,13 @@ class Batch:
 
     prompts: list[Prompt]  # one per sample
     images: list  # PIL images, one per sample
-    rewards: torch.Tensor  # [N] weighted total, this rank's samples
+    rewards: torch.Tensor  # [N] combined total, this rank's samples
     reward_parts: dict[str, torch.Tensor]  # raw score of each reward, [N]
     advantages: torch.Tensor  # [N]
     rollout: Any  # what the subclass's `_update` needs (trajectories, token ids, ...)
     stats: dict[str, float] = field(default_factory=dict)  # global reward statistics for the log
+    # Samples to show in the logged image grid: (images, prompt texts, total rewards) of this rank.
+    preview: tuple[list, list[str], list[float]] | None = None
 
 
 LOSS_STATS = ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean")
@@ -108,6 +122,20 @@ def setup_logging(is_main: bool) -> None:
         root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.getLogger("glm_training").setLevel(level)
+    processing = logging.getLogger("transformers.processing_utils")
+    if not any(isinstance(f, _ProcessorKwargsFilter) for f in processing.filters):
+        processing.addFilter(_ProcessorKwargsFilter())
+
+
+class _ProcessorKwargsFilter(logging.Filter):
+    """Drops the warning transformers 5 prints on every call of GlmImagePipeline's AR stage.
+
+    diffusers' GlmImagePipeline passes its processor arguments the pre-5.0 way; the warning is about the
+    library's own call, is not actionable by users and would otherwise fill the log once per sample batch.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "processor_kwargs" not in record.getMessage()
 
 
 class RewardTrainer:
@@ -121,8 +149,13 @@ class RewardTrainer:
         setup_logging(info.rank == 0)
         # Everything that can be wrong with the inputs fails here, before any model is loaded.
         self.prompts = load_prompts(cfg.data.resolved_prompt_file())
-        self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options)
+        self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options, cfg.reward.combine)
         self.rewards.check_prompts([p.text for p in self.prompts], [p.metadata for p in self.prompts])
+        self.eval_prompts = load_eval_prompts(cfg.eval) if cfg.eval.every_n_steps else []
+        if self.eval_prompts:
+            self.rewards.check_prompts(
+                [p.text for p in self.eval_prompts], [p.metadata for p in self.eval_prompts]
+            )
         self.samples_per_rank = cfg.data.per_rank_samples(info.world_size)
 
         self.is_distributed, self.distributed_reason = dist.detect_distributed(strategy=cfg.trainer.strategy)
@@ -137,6 +170,19 @@ class RewardTrainer:
         self.is_main = self.accelerator.is_main_process
         self.output_dir = self._resolve_output_dir()
         self.metrics = MetricsWriter(self.output_dir, self.is_main)
+        if self.is_main:
+            (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+        self.tracker = build_tracker(
+            is_main=self.is_main,
+            output_dir=self.output_dir,
+            run_name=cfg.run_name,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_entity=cfg.logging.wandb_entity,
+            wandb_mode=cfg.logging.wandb_mode,
+        )
 
         self.wrapper = self._build_model()
         self.trainable = self._setup_trainable(self.wrapper.trainable)
@@ -148,8 +194,6 @@ class RewardTrainer:
             self.trainable, self.optimizer, device_placement=[False, False]
         )
         self.start_step = self._maybe_resume()
-        if self.is_main:
-            (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
 
     # ---------------------------------------------------------------------------------------------------
     # The loop
@@ -157,36 +201,48 @@ class RewardTrainer:
     def train(self) -> Path:
         cfg = self.cfg.trainer
         bar = self._progress_bar()
-        for step in range(self.start_step, cfg.num_steps):
-            start = time.perf_counter()
-            batch = self._collect(step)
-            update_stats = self._update(batch, step)
-            record = {"step": step + 1, **batch.stats, **update_stats}
-            record["lr"] = self.lr_scheduler.get_last_lr()[0]
-            record["step_time_s"] = time.perf_counter() - start
-            self.metrics.write(record)
-            self._log_progress(bar, record)
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.num_steps:
-                self._save(step + 1)
-        if bar is not None:
-            bar.close()
+        if self.start_step == 0:
+            self._maybe_evaluate(0)
+        try:
+            for step in range(self.start_step, cfg.num_steps):
+                start = time.perf_counter()
+                batch = self._collect(step)
+                update_stats = self._update(batch, step)
+                record = {"step": step + 1, **batch.stats, **update_stats}
+                record["lr"] = self.lr_scheduler.get_last_lr()[0]
+                record["step_time_s"] = time.perf_counter() - start
+                record.update(self._maybe_evaluate(step + 1))
+                self.metrics.write(record)
+                self._log(bar, record, batch)
+                if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.num_steps:
+                    self._save(step + 1)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.tracker.close()
+            self.rewards.close()
         dist.barrier()
         return self.output_dir
 
     def _collect(self, step: int) -> Batch:
         """Rollout, rewards and advantages for this rank's samples of `step`."""
         group_prompts, group_ids = self._step_samples(step)
-        rollout, images = self._rollout(group_prompts, group_ids, step)
         sample_prompts = [group_prompts[g] for g in group_ids]
-        rewards, parts = self._score(images, sample_prompts)
-        advantages, stats = self._advantages(rewards, parts)
-        return Batch(sample_prompts, images, rewards, parts, advantages, rollout, stats)
+        scoring = self.rewards.queue(overlap=self.cfg.reward.overlap)
+        rollout, images = self._rollout(group_prompts, group_ids, step, scoring)
+        parts = scoring.result()
+        rewards, advantages, stats = self._advantages(parts)
+        preview = (images, [p.text for p in sample_prompts], rewards.tolist())
+        return Batch(sample_prompts, images, rewards, parts, advantages, rollout, stats, preview)
 
     @abstractmethod
-    def _rollout(self, group_prompts: list[Prompt], group_ids: list[int], step: int) -> tuple[Any, list]:
+    def _rollout(
+        self, group_prompts: list[Prompt], group_ids: list[int], step: int, scoring: ScoringQueue
+    ) -> tuple[Any, list]:
         """Sample this rank's samples: sample i belongs to group `group_ids[i]` (prompt `group_prompts[g]`).
 
-        Returns (rollout data for `_update`, one image per sample).
+        Hands each decoded chunk of images, in sample order, to `scoring.submit` (so rewards can be computed
+        while the next chunk samples). Returns (rollout data for `_update`, one image per sample).
         """
 
     @abstractmethod
@@ -213,26 +269,28 @@ class RewardTrainer:
         """Seed of this rank's sampling noise at `step`: a function of (seed, step, round, rank) only."""
         return ((self.cfg.trainer.seed * 1_000_003 + step) * 101 + round_index) * 1009 + self.rank
 
-    def _score(self, images: list, prompts: list[Prompt]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.rewards(images, [p.text for p in prompts], [p.metadata for p in prompts])
+    @staticmethod
+    def submit_chunk(scoring: ScoringQueue, images: list, prompts: list[Prompt]) -> None:
+        scoring.submit(images, [p.text for p in prompts], [p.metadata for p in prompts])
 
     def _advantages(
-        self, rewards: torch.Tensor, parts: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Group advantages with each group's statistics over the whole group, gathered from every rank.
+        self, parts: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """This rank's raw scores -> (its total rewards [N], its advantages [N], global reward statistics).
 
-        Every rank computes the same global advantages from the same gathered rewards, then keeps its slice.
+        Every rank gathers every rank's raw scores (a group may straddle ranks), combines them into totals and
+        computes the same global advantages, then keeps its slice.
         """
-        all_rewards = dist.all_gather_cat(rewards.float())  # [W * N], rank order = global sample order
         all_parts = {name: dist.all_gather_cat(values.float()) for name, values in parts.items()}
+        all_rewards = self.rewards.combine(all_parts, self.cfg.data.num_generations)  # [W * N]
         advantages, stats = self.global_advantages(all_rewards, all_parts)
         start, end = dist.shard_bounds(all_rewards.numel(), self.rank, self.world_size)
-        return advantages[start:end], stats
+        return all_rewards[start:end], advantages[start:end], stats
 
     def global_advantages(
         self, all_rewards: torch.Tensor, all_parts: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """[G * K] rewards of every rank, group-major -> ([G * K] advantages, reward statistics)."""
+        """[G * K] total rewards of every rank, group-major -> ([G * K] advantages, reward statistics)."""
         rewards_gk = all_rewards.view(-1, self.cfg.data.num_generations)
         adv_fn = ADVANTAGE_FNS[self.cfg.algo.scale_rewards]
         advantages = clip_advantages(adv_fn(rewards_gk), self.cfg.algo.adv_clip_max).reshape(-1)
@@ -422,9 +480,69 @@ class RewardTrainer:
             unit="step",
         )
 
-    def _log_progress(self, bar, record: dict[str, Any]) -> None:
+    def _log(self, bar, record: dict[str, Any], batch: Batch) -> None:
+        """Progress bar (or a log line), tracker scalars, and every `images_every_n_steps` a sample grid."""
+        step = record["step"]
         if bar is not None:
-            bar.set_postfix(reward=f"{record['reward_mean']:.4g}", loss=f"{record.get('loss', math.nan):.3g}")
+            bar.set_postfix(
+                reward=f"{record['reward_mean']:.4g}",
+                loss=f"{record.get('loss', math.nan):.3g}",
+                step_s=f"{record['step_time_s']:.2f}",
+            )
             bar.update(1)
         elif self.is_main:
-            logger.info("step %d reward %.4g", record["step"], record["reward_mean"])
+            logger.info(
+                "step %d/%d reward %.4g (%.2f s/step)",
+                step,
+                self.cfg.trainer.num_steps,
+                record["reward_mean"],
+                record["step_time_s"],
+            )
+        self.tracker.log_scalars(step, record)
+        every = self.cfg.logging.images_every_n_steps
+        if self.is_main and every and batch.preview and (step % every == 0 or step == 1):
+            images, texts, rewards = (x[: self.cfg.logging.num_images] for x in batch.preview)
+            self.tracker.log_images(
+                step, "train/samples", list(images), [caption(t, r) for t, r in zip(texts, rewards)]
+            )
+
+    # ---------------------------------------------------------------------------------------------------
+    # Evaluation
+
+    def _maybe_evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate on the held-out prompts at step 0, every `eval.every_n_steps` and at the end."""
+        every = self.cfg.eval.every_n_steps
+        if not every or not (step % every == 0 or step == self.cfg.trainer.num_steps):
+            return {}
+        with self._eval_weights():
+            result, images = evaluate_prompts(
+                self.wrapper.pipeline,
+                self.eval_prompts,
+                self.rewards,
+                eval_sampling(self.cfg),
+                device=self.device,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        scalars = eval_scalars(result)
+        if self.is_main:
+            write_evaluation(self.output_dir / "eval", step, result, images, self.cfg.eval.num_grid_images)
+            grid_images, captions = grid_samples(result, images, self.cfg.eval.num_grid_images)
+            if grid_images:
+                self.tracker.log_images(step, "eval/samples", grid_images, captions)
+            logger.info("eval at step %d: reward %.4g", step, scalars["eval/reward_mean"])
+        return scalars
+
+    @contextlib.contextmanager
+    def _eval_weights(self):
+        """Evaluate the EMA weights when EMA is on (as Flow-GRPO does), the live weights otherwise."""
+        if self.ema is None:
+            yield
+            return
+        params = [p for p in self.trainable.parameters() if p.requires_grad]
+        self.ema.store(params)
+        self.ema.copy_to(params)
+        try:
+            yield
+        finally:
+            self.ema.restore(params)

@@ -1,0 +1,517 @@
+"""Export trained GLM-Image checkpoints as a standalone `diffusers.GlmImagePipeline` folder.
+
+A checkpoint (`glm_training/checkpoint.py`) holds only the weights that trained: the LoRA adapters (peft) or
+the fine-tuned parameters of one half of GLM-Image, the DiT `transformer` (Flow-GRPO, `train_dit.py`) or the
+AR `vision_language_encoder` (GRPO/DAPO, `train_ar.py`). The export re-reads the run's base model
+(`model.name`), puts the trained weights back in, and writes a complete pipeline folder with `save_pretrained`
+that plain diffusers loads, with no project code:
+
+    python -m glm_training.export --checkpoint outputs/dit-run --output exported/glm-image-dit
+    python -m glm_training.export --checkpoint outputs/dit-run --checkpoint outputs/ar-run \
+        --output exported/both
+
+    from diffusers import GlmImagePipeline
+    pipe = GlmImagePipeline.from_pretrained("exported/both")
+
+`--checkpoint` takes a step folder (`<output_dir>/checkpoints/step-NNNNNN/`) or a run folder (its newest
+checkpoint). Two checkpoints, one DiT run and one AR run of the same base model, are combined into one folder.
+
+LoRA formats:
+
+* `merged` (default): the adapters are merged into the base weights with peft's own merge (`merge_and_unload`
+  semantics: W <- W + (alpha / r) * B @ A per adapted layer, then the LoRA layers are replaced by their base
+  layers), so the folder is an ordinary GLM-Image.
+* `separate`: the base weights are saved untouched and each component's adapters go to
+  `<output>/lora/<component>/`, in the format its library loads: the DiT's through diffusers'
+  `save_lora_adapter` (`pytorch_lora_weights.safetensors`, LoRA config in the file's metadata), the AR model's
+  through transformers' adapter `save_pretrained` (`adapter_model.safetensors` + `adapter_config.json`).
+  Load them with::
+
+      from diffusers import GlmImagePipeline
+
+      pipe = GlmImagePipeline.from_pretrained(out)
+      # DiT adapters, present if a LoRA DiT checkpoint was exported:
+      pipe.transformer.load_lora_adapter(
+          f"{out}/lora/transformer", weight_name="pytorch_lora_weights.safetensors", prefix=None
+      )
+      # AR adapters, present if a LoRA AR checkpoint was exported:
+      pipe.vision_language_encoder.load_adapter(f"{out}/lora/vision_language_encoder")
+
+  Full fine-tuning checkpoints have no adapters; their weights always go into the pipeline itself.
+
+`--ema` exports the EMA weights (`algo.ema=true` runs) instead of the trained ones. `export_info.json` in the
+folder records the source checkpoints, their steps and components, the LoRA format and whether EMA was used.
+
+The folder is written into a temporary sibling and renamed into place when complete; an existing `--output`
+is refused unless `--overwrite`, and is then replaced only once the new folder is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from glm_training.checkpoint import (
+    CHECKPOINT_PREFIX,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    list_checkpoints,
+)
+from glm_training.models.wrapper import TRAINABLE_COMPONENTS
+
+if TYPE_CHECKING:
+    from diffusers import GlmImagePipeline
+
+logger = logging.getLogger("glm_training.export")  # not "__main__" under `python -m`
+
+CONFIG_FILE = "config.yaml"
+EMA_FILE = "ema.pt"
+EXPORT_INFO_FILE = "export_info.json"
+LORA_DIR = "lora"
+LORA_FORMATS = ("merged", "separate")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+CHECKPOINT_LAYOUT = (
+    f"a checkpoint folder is <output_dir>/checkpoints/{CHECKPOINT_PREFIX}NNNNNN/ holding {STATE_FILE}, "
+    f"{WEIGHTS_FILE} and {CONFIG_FILE} (and {EMA_FILE} for algo.ema=true runs); a run folder is the "
+    "trainer.output_dir that holds checkpoints/"
+)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What an export needs to know about one checkpoint, read without loading any model."""
+
+    path: Path  # the step folder
+    step: int
+    component: str  # "dit" or "ar"
+    model: Any  # the run's `ModelConfig` (name, tiny_seed, dtype, lora)
+    has_ema: bool
+
+    @property
+    def pipeline_component(self) -> str:
+        """The pipeline attribute that trained: "transformer" or "vision_language_encoder"."""
+        return TRAINABLE_COMPONENTS[self.component]
+
+    @property
+    def is_lora(self) -> bool:
+        return bool(self.model.lora.enabled)
+
+
+def resolve_checkpoint(path: Path | str) -> Path:
+    """A step folder -> itself; a run folder (or its `checkpoints/`) -> its newest complete checkpoint.
+
+    Raises `CheckpointError` naming what was expected when `path` is neither.
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' does not exist or is not a folder; {CHECKPOINT_LAYOUT}.")
+    if (path / STATE_FILE).is_file():
+        missing = [name for name in (WEIGHTS_FILE, CONFIG_FILE) if not (path / name).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"'{path}' has {STATE_FILE} but lacks {missing}, so it is not a complete checkpoint; "
+                f"{CHECKPOINT_LAYOUT}."
+            )
+        return path
+    run_dir = path.parent if path.name == "checkpoints" else path
+    # A step folder renamed from `.tmp` only once complete has a plain numeric suffix; skip anything else.
+    found = [p for p in list_checkpoints(run_dir) if p.name[len(CHECKPOINT_PREFIX) :].isdigit()]
+    if not found:
+        raise CheckpointError(
+            f"'{path}' is neither a checkpoint folder (no {STATE_FILE}) nor a run folder holding one; "
+            f"{CHECKPOINT_LAYOUT}."
+        )
+    return found[-1]
+
+
+def read_checkpoint(path: Path | str) -> CheckpointInfo:
+    """Resolve `path` and read its step, component and model settings (no weights, no model)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from glm_training.config import ModelConfig
+
+    step_dir = resolve_checkpoint(path)
+    try:
+        state = json.loads((step_dir / STATE_FILE).read_text(encoding="utf-8"))
+        step, component = int(state["step"]), str(state["component"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"'{step_dir / STATE_FILE}' is unreadable ({err!r}); it should be "
+            '{"step": N, "component": "dit"|"ar"} as the trainers write it.'
+        ) from None
+    if component not in TRAINABLE_COMPONENTS:
+        raise CheckpointError(
+            f"'{step_dir / STATE_FILE}' names component '{component}'; expected one of "
+            f"{sorted(TRAINABLE_COMPONENTS)}."
+        )
+    try:
+        raw = OmegaConf.load(step_dir / CONFIG_FILE)
+        if "model" not in raw:
+            raise CheckpointError(
+                f"'{step_dir / CONFIG_FILE}' has no 'model' section; was it written by a trainer?"
+            )
+        # Only the model section matters here; merging it into the schema fills keys older runs lacked.
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.model))
+    except CheckpointError:
+        raise
+    except (ValueError, OmegaConfBaseException) as err:  # ConfigError and yaml's errors are ValueErrors
+        raise CheckpointError(f"'{step_dir / CONFIG_FILE}': the model section is unreadable: {err}") from None
+    return CheckpointInfo(step_dir, step, component, model, (step_dir / EMA_FILE).is_file())
+
+
+def inspect_checkpoints(checkpoints: list[Path], *, use_ema: bool = False) -> list[CheckpointInfo]:
+    """Read and cross-check the checkpoints of one export; every input error surfaces here, before loading."""
+    if not 1 <= len(checkpoints) <= 2:
+        raise CheckpointError(
+            f"give one checkpoint, or two (one DiT run and one AR run) to combine; got {len(checkpoints)}."
+        )
+    infos = [read_checkpoint(path) for path in checkpoints]
+    if len(infos) == 2:
+        first, second = infos
+        if first.component == second.component:
+            raise CheckpointError(
+                f"both checkpoints train the {first.component} ({first.pipeline_component}): "
+                f"'{first.path}' and '{second.path}'; two checkpoints combine one DiT run (train_dit.py) "
+                "and one AR run (train_ar.py). Export them one at a time."
+            )
+        if _base_model(first) != _base_model(second):
+            raise CheckpointError(
+                f"the checkpoints were trained from different base models: {_base_model(first)} "
+                f"('{first.path}') vs {_base_model(second)} ('{second.path}'); only runs of the same "
+                "model.name (and model.tiny_seed for the tiny model) can be combined into one pipeline."
+            )
+    if use_ema:
+        lacking = [str(info.path) for info in infos if not info.has_ema]
+        if lacking:
+            raise CheckpointError(
+                f"--ema / use_ema asks for EMA weights but {lacking} hold no {EMA_FILE} (the run had "
+                "algo.ema=false); drop --ema to export the trained weights."
+            )
+    return infos
+
+
+def _base_model(info: CheckpointInfo) -> tuple[str, int | None]:
+    # The seed only picks the tiny model's random weights; for a real model it is ignored.
+    return info.model.name, (info.model.tiny_seed if info.model.name == "tiny" else None)
+
+
+def _default_dtype(infos: list[CheckpointInfo]) -> torch.dtype:
+    names = sorted({info.model.dtype for info in infos})
+    if len(names) > 1:
+        raise CheckpointError(
+            f"the checkpoints were trained in different dtypes {names}; choose the export's with --dtype."
+        )
+    return DTYPES[names[0]]
+
+
+def load_pipeline_from_checkpoints(
+    checkpoints: list[Path],
+    *,
+    use_ema: bool = False,
+    merge_lora: bool = True,
+    dtype: torch.dtype | None = None,
+) -> GlmImagePipeline:
+    """The base GLM-Image of the checkpoints' runs with their trained weights loaded, on CPU, in eval mode.
+
+    Args:
+        checkpoints: one or two step or run folders (one DiT run and one AR run of the same base model).
+        use_ema: load the EMA weights (`ema.pt`) instead of the trained ones.
+        merge_lora: merge LoRA adapters into the base weights (peft's merge); `False` leaves them as active
+            peft adapters named "default" in the component (see `save_lora_adapters`).
+        dtype: weight dtype of every component; `None` = the runs' `model.dtype`.
+
+    Raises `CheckpointError` for bad input, before any model is loaded.
+    """
+    from diffusers import GlmImagePipeline
+
+    from glm_training.models.wrapper import resolve_model_path
+
+    infos = inspect_checkpoints([Path(c) for c in checkpoints], use_ema=use_ema)
+    dtype = dtype or _default_dtype(infos)
+    base = infos[0].model
+    path = resolve_model_path(base.name, base.tiny_seed)
+    logger.info("loading the base model %s (%s) on CPU", path, dtype)
+    pipe = GlmImagePipeline.from_pretrained(path, dtype=dtype)
+    for info in infos:
+        module = getattr(pipe, info.pipeline_component)
+        load_trained_weights(module, info, use_ema=use_ema)
+        if info.is_lora and merge_lora:
+            merge_lora_adapters(module)
+        module.requires_grad_(False).eval()
+        logger.info("loaded %s step %d (%s) from %s", info.component, info.step, _kind(info), info.path)
+    return pipe
+
+
+def _kind(info: CheckpointInfo) -> str:
+    return "LoRA" if info.is_lora else "full fine-tuning"
+
+
+def load_trained_weights(module: nn.Module, info: CheckpointInfo, *, use_ema: bool = False) -> None:
+    """Copy a checkpoint's trained (or EMA) weights into `module`, adding its LoRA adapters first if any.
+
+    The adapters are built by the trainers' own `add_lora_adapters`, so the parameter names match
+    `trainable.safetensors` by construction.
+    """
+    from safetensors.torch import load_file
+
+    from glm_training.models.wrapper import add_lora_adapters
+
+    if info.is_lora:
+        add_lora_adapters(module, info.model.lora)
+    state = load_file(str(info.path / WEIGHTS_FILE))
+    params = dict(module.named_parameters())
+    unexpected = sorted(set(state) - set(params))
+    if unexpected:
+        raise CheckpointError(
+            f"'{info.path / WEIGHTS_FILE}' does not match the {info.pipeline_component} of "
+            f"'{info.model.name}': no parameters named {unexpected[:5]}. Was model.name or model.lora "
+            "changed after the run?"
+        )
+    if use_ema:
+        state = _ema_state(info, module, state)
+    with torch.no_grad():
+        for name, value in state.items():
+            target = params[name]
+            if target.shape != value.shape:
+                raise CheckpointError(
+                    f"'{info.path}': parameter {name} has shape {tuple(value.shape)} in the checkpoint but "
+                    f"{tuple(target.shape)} in the model; was model.name or model.lora changed after the run?"
+                )
+            target.copy_(value.to(target.dtype))
+
+
+def _ema_state(info: CheckpointInfo, module: nn.Module, trained: dict[str, torch.Tensor]) -> dict:
+    """The EMA shadow parameters by name (diffusers' `EMAModel` keeps a list, in `parameters()` order)."""
+    ema = torch.load(info.path / EMA_FILE, map_location="cpu", weights_only=False)
+    shadow = ema.get("shadow_params") if isinstance(ema, dict) else None
+    # The EMA was built over the parameters that train, which are exactly those the checkpoint stores.
+    names = [name for name, _ in module.named_parameters() if name in trained]
+    if shadow is None or len(shadow) != len(names):
+        count = "none" if shadow is None else len(shadow)
+        raise CheckpointError(
+            f"'{info.path / EMA_FILE}' holds {count} shadow parameters for the {len(names)} trained ones in "
+            f"{WEIGHTS_FILE}; the two files come from different runs."
+        )
+    return dict(zip(names, shadow))
+
+
+def _tuner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def merge_lora_adapters(module: nn.Module, *, merge: bool = True) -> None:
+    """peft's `merge_and_unload` (or `unload` with `merge=False`) for adapters injected in place.
+
+    `add_adapter` injects peft LoRA layers into a diffusers or transformers model without a `PeftModel`
+    around it, so there is no `merge_and_unload` to call: as peft does, each layer merges itself
+    (`merge(safe_merge=True)`, which also refuses NaNs) and is then replaced by its base layer. The model's
+    adapter bookkeeping is cleared too, or transformers' `save_pretrained` would still save adapters only.
+    """
+    layers = _tuner_layers(module)
+    assert layers, "merge_lora_adapters called on a module without LoRA layers"
+    for name, layer in layers:
+        if merge:
+            layer.merge(safe_merge=True)
+        parent_name, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent_name), child, layer.get_base_layer())
+    if "peft_config" in vars(module):
+        del module.peft_config
+    module._hf_peft_config_loaded = False
+
+
+def save_lora_adapters(module: nn.Module, folder: Path) -> None:
+    """Save the component's peft adapter "default" in the format its own library loads back.
+
+    diffusers models: `save_lora_adapter` (read back by `load_lora_adapter(folder, weight_name=...,
+    prefix=None)`, see the module docstring); transformers models: adapter `save_pretrained` (read back by
+    `load_adapter`).
+    """
+    from diffusers import ModelMixin
+
+    if isinstance(module, ModelMixin):
+        module.save_lora_adapter(folder, adapter_name="default", safe_serialization=True)
+    else:
+        module.save_pretrained(folder, safe_serialization=True)
+
+
+def export(
+    checkpoints: list[Path],
+    output: Path,
+    *,
+    overwrite: bool = False,
+    lora_format: str = "merged",
+    use_ema: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the pipeline folder of `checkpoints` to `output` atomically; returns `output`.
+
+    Raises `CheckpointError` / `FileExistsError` for bad input before any model is loaded.
+    """
+    if lora_format not in LORA_FORMATS:
+        raise ValueError(f"lora_format must be one of {LORA_FORMATS}, got '{lora_format}'.")
+    output = Path(output).expanduser()
+    infos = inspect_checkpoints([Path(c) for c in checkpoints], use_ema=use_ema)
+    _check_output(output, infos, overwrite)
+    dtype = dtype or _default_dtype(infos)
+    if lora_format == "separate":
+        for info in infos:
+            if not info.is_lora:
+                logger.warning(
+                    "--lora-format separate: '%s' is full fine-tuning (no adapters); its weights go into the "
+                    "pipeline itself.",
+                    info.path,
+                )
+
+    pipe = load_pipeline_from_checkpoints(
+        [info.path for info in infos], use_ema=use_ema, merge_lora=lora_format == "merged", dtype=dtype
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        adapters = {}
+        for info in infos:
+            module = getattr(pipe, info.pipeline_component)
+            if info.is_lora and lora_format == "separate":
+                folder = Path(LORA_DIR) / info.pipeline_component
+                save_lora_adapters(module, staging / folder)
+                merge_lora_adapters(module, merge=False)  # back to the untouched base weights
+                adapters[info.pipeline_component] = folder.as_posix()
+        pipe.save_pretrained(staging, safe_serialization=True)
+        record = _export_info(infos, lora_format=lora_format, use_ema=use_ema, dtype=dtype, adapters=adapters)
+        (staging / EXPORT_INFO_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        staging.chmod(0o755)  # mkdtemp makes it owner-only
+        _publish(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("exported %s", output)
+    return output
+
+
+def _check_output(output: Path, infos: list[CheckpointInfo], overwrite: bool) -> None:
+    if output.exists() or output.is_symlink():
+        if not overwrite:
+            raise FileExistsError(
+                f"--output '{output}' already exists; choose another folder, or pass --overwrite to replace "
+                "it (the old folder is removed only once the new export is complete)."
+            )
+        if not output.is_dir():
+            raise FileExistsError(f"--output '{output}' exists and is not a folder; refusing to replace it.")
+    # --overwrite must never delete what the export reads.
+    resolved = output.resolve()
+    sources = [(info.path, "the checkpoint") for info in infos]
+    base = Path(infos[0].model.name).expanduser()
+    if base.exists():
+        sources.append((base, "the base model"))
+    for source, what in sources:
+        if source.resolve().is_relative_to(resolved):
+            raise FileExistsError(
+                f"--output '{output}' contains {what} '{source}'; replacing it would delete it. Export to "
+                "another folder."
+            )
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Rename the complete `staging` folder to `output`, replacing an old `output` only after that."""
+    if not output.exists():
+        os.rename(staging, output)
+        return
+    old = output.with_name(f".{output.name}.old-{os.getpid()}")
+    os.rename(output, old)
+    try:
+        os.rename(staging, output)
+    except OSError:
+        os.rename(old, output)  # put the previous export back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _export_info(
+    infos: list[CheckpointInfo], *, lora_format: str, use_ema: bool, dtype: torch.dtype, adapters: dict
+) -> dict[str, Any]:
+    return {
+        "base_model": infos[0].model.name,
+        "tiny_seed": infos[0].model.tiny_seed if infos[0].model.name == "tiny" else None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "lora_format": lora_format,
+        "ema": use_ema,
+        "lora_adapters": adapters,
+        "checkpoints": [
+            {
+                "path": str(info.path.resolve()),
+                "step": info.step,
+                "component": info.component,
+                "pipeline_component": info.pipeline_component,
+                "lora": info.is_lora,
+            }
+            for info in infos
+        ],
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m glm_training.export",
+        description="Export GLM-Image training checkpoints as a diffusers GlmImagePipeline folder.",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        action="append",
+        required=True,
+        type=Path,
+        help="step folder or run folder (newest checkpoint); give it twice to combine a DiT and an AR run",
+    )
+    parser.add_argument("--output", required=True, type=Path, help="folder to write the pipeline into")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    parser.add_argument(
+        "--lora-format",
+        choices=LORA_FORMATS,
+        default="merged",
+        help="merge LoRA adapters into the weights (default) or save them separately under lora/",
+    )
+    parser.add_argument("--ema", action="store_true", help="export the EMA weights (runs with algo.ema=true)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: the run's model.dtype)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns 0 on success and 2 for bad input (message on stderr)."""
+    args = _parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
+    try:
+        output = export(
+            args.checkpoint,
+            args.output,
+            overwrite=args.overwrite,
+            lora_format=args.lora_format,
+            use_ema=args.ema,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+        )
+    except (CheckpointError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"done: pipeline in {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

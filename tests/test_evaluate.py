@@ -1,0 +1,152 @@
+"""Evaluation (in training and standalone), W&B offline logging, reward scoring that overlaps the rollout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, REPO, run_cli
+
+from glm_training.cli import run
+from glm_training.evaluate import main as evaluate_main
+from glm_training.metrics import read_metrics
+from glm_training.trainers.ar_trainer import ARTrainer
+from glm_training.trainers.dit_trainer import DiTTrainer
+
+SMALL = [
+    "trainer.progress_bar=false",
+    "sampling.height=32",
+    "sampling.width=32",
+    "sampling.num_steps=3",
+    "data.num_groups_per_step=2",
+    "data.num_generations=3",
+    "logging.images_every_n_steps=0",
+    "eval.every_n_steps=0",
+]
+EVAL = ["eval.num_prompts=3", "eval.batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def dit_run(tmp_path_factory) -> Path:
+    """Two steps of a small DiT run with an evaluation at steps 0 and 2."""
+    out = tmp_path_factory.mktemp("dit_eval_run")
+    small = [a for a in SMALL if not a.startswith("eval.every_n_steps")]
+    args = [*small, *EVAL, "trainer.num_steps=2", "eval.every_n_steps=2", f"trainer.output_dir={out}"]
+    assert run(DiTTrainer, "t2i_training", args) == 0
+    return out
+
+
+def _eval_numbers(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return {"mean": data["reward_mean"], "per_prompt": data["rewards"]["jpeg_compressibility"]["per_prompt"]}
+
+
+def test_standalone_evaluation_is_deterministic_and_matches_training(dit_run, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert evaluate_main(["--checkpoint", str(dit_run), "--output", str(first)]) == 0
+    assert evaluate_main(["--checkpoint", str(dit_run), "--output", str(second)]) == 0
+    a, b = _eval_numbers(first / "000002.json"), _eval_numbers(second / "000002.json")
+    assert a == b  # bit for bit
+    assert len(a["per_prompt"]) == 3 and len(set(a["per_prompt"])) == 3  # three different images
+    # The same weights and settings inside the training run gave the same numbers.
+    assert _eval_numbers(dit_run / "eval" / "000002.json") == a
+    assert (first / "000002.png").is_file()
+    # The base model evaluated standalone reproduces the run's step-0 evaluation.
+    base = tmp_path / "base"
+    overrides = [a for a in SMALL + EVAL if not a.startswith("trainer.")]
+    assert evaluate_main(["--config", "configs/t2i_training.yaml", "--output", str(base), *overrides]) == 0
+    assert _eval_numbers(base / "000000.json") == _eval_numbers(dit_run / "eval" / "000000.json")
+    # And the training changed the weights enough to change the evaluation.
+    assert _eval_numbers(dit_run / "eval" / "000000.json") != a
+
+
+def test_evaluation_overrides_change_the_result(dit_run, tmp_path):
+    assert evaluate_main(["--checkpoint", str(dit_run), "--output", str(tmp_path), "eval.seed=7"]) == 0
+    seeded = json.loads((tmp_path / "000002.json").read_text())
+    assert seeded["sampling"]["seed"] == 7
+    assert _eval_numbers(tmp_path / "000002.json") != _eval_numbers(dit_run / "eval" / "000002.json")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--checkpoint", "{tmp}"], "is neither a checkpoint folder"),
+        (["--config", "configs/t2i_training.yaml", "eval.prompt_file={tmp}/empty.txt"], "holds no prompts"),
+        (["--config", "configs/t2i_training.yaml", "eval.batch_sise=2"], "Did you mean 'eval.batch_size'"),
+        (["--config", "configs/t2i_training.yaml", "--checkpoint", "{tmp}"], "not both"),
+    ],
+    ids=["not-a-checkpoint", "empty-prompts", "typo", "both"],
+)
+def test_standalone_bad_input(tmp_path, args, needle):
+    (tmp_path / "empty.txt").write_text("\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = run_cli([PYTHON, "-m", "glm_training.evaluate", *args], timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_overlapped_scoring_gives_the_same_run(tmp_path):
+    runs = {}
+    for overlap in ("false", "true"):
+        out = tmp_path / overlap
+        args = [*SMALL, "trainer.num_steps=2", "sampling.micro_batch_size=2", f"reward.overlap={overlap}"]
+        assert run(DiTTrainer, "t2i_training", [*args, f"trainer.output_dir={out}"]) == 0
+        runs[overlap] = read_metrics(out / "metrics.jsonl")
+    keys = ("reward_mean", "reward_std", "loss", "grad_norm")
+    assert [[r[k] for k in keys] for r in runs["true"]] == [[r[k] for k in keys] for r in runs["false"]]
+
+
+def test_normalized_sum_of_two_rewards(tmp_path):
+    args = [
+        *SMALL,
+        "trainer.num_steps=1",
+        f"trainer.output_dir={tmp_path}",
+        "reward.names=[jpeg_compressibility,jpeg_incompressibility]",
+        "reward.weights=[1.0,0.5]",
+        "reward.combine=normalized_sum",
+    ]
+    assert run(DiTTrainer, "t2i_training", args) == 0
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    # incompressibility = -compressibility, so its z-scores are the negatives: total = (1 - 0.5) * z_comp,
+    # whose group means are 0 and whose population std within each group is 0.5 * std / (std + eps): the
+    # JPEG sizes of 32x32 images differ by ~0.01 kB within a group, so eps = 1e-4 takes up to ~1% off.
+    assert row["reward_mean"] == pytest.approx(0.0, abs=1e-5)
+    assert 0.49 < row["reward_std"] <= 0.5
+    assert row["reward/jpeg_compressibility"] == pytest.approx(-row["reward/jpeg_incompressibility"])
+
+
+def test_ar_run_with_evaluation_overlap_and_wandb_offline(tmp_path):
+    out = tmp_path / "ar"
+    args = [
+        "trainer.progress_bar=false",
+        "sampling.height=32",
+        "sampling.width=32",
+        "sampling.dit_num_steps=2",
+        "data.num_groups_per_step=2",
+        "data.num_generations=2",
+        "algo.micro_batch_size=2",
+        "trainer.num_steps=1",
+        "reward.overlap=true",
+        "eval.every_n_steps=1",  # (ar_training.yaml has no evaluation)
+        *EVAL,
+        "logging.images_every_n_steps=1",
+        "logging.wandb=true",
+        "logging.wandb_mode=offline",
+        f"trainer.output_dir={out}",
+    ]
+    result = run_cli([PYTHON, str(REPO / "train_ar.py"), *args], timeout=300, env={"WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (out / "eval").glob("*.json")) == ["000000.json", "000001.json"]
+    (row,) = read_metrics(out / "metrics.jsonl")
+    assert "eval/reward_mean" in row and "eval/reward/jpeg_compressibility" in row
+    (run_folder,) = (out / "wandb").glob("offline-run-*")
+    assert list(run_folder.glob("run-*.wandb"))
+    media = run_folder / "files" / "media" / "images"
+    assert list((media / "train").glob("*.png")) and list((media / "eval").glob("*.png"))
+    assert (
+        ARTrainer.component
+        == json.loads(next((out / "checkpoints").iterdir()).joinpath("trainer_state.json").read_text())[
+            "component"
+        ]
+    )
