@@ -169,12 +169,33 @@ def test_two_ranks_share_group_statistics_and_train_in_step(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_train_dit_entry_point_under_torchrun(tmp_path):
-    args = [*SMALL, "data.num_groups_per_step=2", "trainer.num_steps=2", f"trainer.output_dir={tmp_path}"]
-    result = torchrun("train_dit.py", args, timeout=300)
+    small = [a for a in SMALL if not a.startswith("eval.")]
+    # 3 held-out prompts over 2 ranks (2 + 1), one image per forward pass so the batching cannot matter.
+    evaluation = ["eval.every_n_steps=2", "eval.num_prompts=3", "eval.batch_size=1"]
+    args = [*small, *evaluation, "data.num_groups_per_step=2", "trainer.num_steps=2"]
+    result = torchrun("train_dit.py", [*args, f"trainer.output_dir={tmp_path}"], timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]  # written once, by rank 0
     assert (tmp_path / "checkpoints" / "step-000002" / "rng_rank1.pt").is_file()
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1  # rank 1 logs nothing
+    # The evaluation split over two ranks equals a single-process evaluation of the saved weights.
+    two_ranks = json.loads((tmp_path / "eval" / "000002.json").read_text())
+    single = run_cli(
+        [
+            PYTHON,
+            "-m",
+            "glm_training.evaluate",
+            "--checkpoint",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "e1"),
+        ],
+        timeout=300,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    one_rank = json.loads((tmp_path / "e1" / "000002.json").read_text())
+    assert two_ranks["rewards"] == one_rank["rewards"] and two_ranks["prompts"] == one_rank["prompts"]
 
 
 def test_ema_and_two_weighted_rewards_are_logged_and_saved(tmp_path):
