@@ -188,8 +188,10 @@ def test_bad_head_files(clip_dir, tmp_path):
     torch.save({"weight": torch.zeros(1, 16)}, tmp_path / "linear.pth")
     with pytest.raises(ValueError, match="not an improved-aesthetic-predictor state dict"):
         build_reward("aesthetic", clip_model=str(clip_dir), head=str(tmp_path / "linear.pth"))
-    with pytest.raises(FileNotFoundError, match="not an existing file"):
+    with pytest.raises(FileNotFoundError, match="missing.pth' does not exist"):
         build_reward("aesthetic", clip_model=str(clip_dir), head=str(tmp_path / "missing.pth"))
+    with pytest.raises(FileNotFoundError, match="not an existing file, nor of the hub form"):
+        build_reward("aesthetic", clip_model=str(clip_dir), head="head.pth")
     # A hub file that is not in the (offline) cache: the error says how to get it.
     with pytest.raises(FileNotFoundError, match="hf download nobody/none-such head.pth"):
         build_reward("aesthetic", clip_model=str(clip_dir), head="nobody/none-such/head.pth")

@@ -25,17 +25,14 @@ preprocessing gives the same embedding.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from huggingface_hub import hf_hub_download
-from huggingface_hub.errors import EntryNotFoundError
 from PIL import Image
 from torch import nn
 
 from glm_training.rewards.clip_base import ClipEmbedder, check_batch_size
-from glm_training.rewards.registry import Reward, register_reward
+from glm_training.rewards.registry import Reward, register_reward, resolve_weight_file
 
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth"
@@ -70,27 +67,9 @@ class AestheticMLP(nn.Module):
 
 def resolve_head_path(head: str) -> Path:
     """A local file for `head`: an existing path, or "owner/repo/filename" fetched from the hub cache."""
-    local = Path(head).expanduser()
-    if local.is_file():
-        return local
-    if not head.endswith(HEAD_SUFFIXES):
+    if not Path(head).expanduser().is_file() and not head.endswith(HEAD_SUFFIXES):
         raise ValueError(f"aesthetic head {head!r} must be a {'/'.join(HEAD_SUFFIXES)} file")
-    parts = head.split("/")
-    looks_local = local.is_absolute() or head.startswith((".", "~")) or (os.sep != "/" and os.sep in head)
-    if looks_local or len(parts) < 3:
-        raise FileNotFoundError(
-            f"aesthetic head {head!r} is not an existing file; give a local .pth/.safetensors path or "
-            f"'owner/repo/filename' of a hub file, e.g. {AESTHETIC_HEAD!r}"
-        )
-    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
-    try:
-        return Path(hf_hub_download(repo_id=repo_id, filename=filename))
-    except (OSError, ValueError, EntryNotFoundError) as err:
-        raise FileNotFoundError(
-            f"could not fetch the aesthetic head {filename!r} from hub repo {repo_id!r}: {err}\n"
-            f"Fix: download it once with `hf download {repo_id} {filename}` on a machine with network "
-            "access (HF_HUB_OFFLINE=1 reads only the cache), or pass a local file path"
-        ) from err
+    return resolve_weight_file(head, what="aesthetic head", example=AESTHETIC_HEAD)
 
 
 def load_aesthetic_head(path: Path) -> AestheticMLP:

@@ -63,7 +63,13 @@ from glm_training.rewards.open_clip_convert import (
     load_open_clip_into_transformers,
     unwrap_open_clip_checkpoint,
 )
-from glm_training.rewards.registry import Reward, register_reward, reward_device, reward_dtype
+from glm_training.rewards.registry import (
+    Reward,
+    register_reward,
+    resolve_weight_file,
+    reward_device,
+    reward_dtype,
+)
 
 HPSV2_HUB_REPO = "xswu/HPSv2"
 HPSV2_CHECKPOINT = f"{HPSV2_HUB_REPO}/HPS_v2.1_compressed.pt"
@@ -108,28 +114,7 @@ def hpsv2_pixel_values(image: Image.Image, image_size: int) -> torch.Tensor:
 
 def resolve_checkpoint(checkpoint: str) -> Path:
     """The local file of `checkpoint`: itself if it exists, else `<owner>/<repo>/<file>` from the hub."""
-    path = Path(checkpoint).expanduser()
-    if path.is_file():
-        return path
-    if path.is_absolute() or checkpoint.startswith((".", "~")):
-        raise FileNotFoundError(f"hpsv2 checkpoint file {checkpoint!r} does not exist")
-    parts = checkpoint.split("/")
-    if len(parts) < 3 or not all(parts):
-        raise FileNotFoundError(
-            f"hpsv2 checkpoint {checkpoint!r} is not an existing file, nor of the hub form "
-            f"'<owner>/<repo>/<file>' (e.g. {HPSV2_CHECKPOINT!r})"
-        )
-    from huggingface_hub import hf_hub_download
-
-    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
-    try:
-        return Path(hf_hub_download(repo_id=repo_id, filename=filename))
-    except Exception as err:  # hub errors have many types (offline, missing entry, network, auth)
-        raise FileNotFoundError(
-            f"hpsv2 checkpoint {checkpoint!r} is not a local file and could not be fetched as {filename!r} "
-            f"from the hub repo {repo_id!r}: {err}\nFix: pass a local .pt path, or download it once with "
-            f"`hf download {repo_id} {filename}` on a machine with network access"
-        ) from err
+    return resolve_weight_file(checkpoint, what="hpsv2 checkpoint", example=HPSV2_CHECKPOINT)
 
 
 class HpsEmbedder(ClipEmbedder):

@@ -13,6 +13,7 @@ import difflib
 import inspect
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -126,3 +127,33 @@ def reward_dtype(dtype: str = "float32") -> torch.dtype:
     if dtype not in REWARD_DTYPES:
         raise ValueError(f"reward dtype {dtype!r} is not one of {sorted(REWARD_DTYPES)}")
     return REWARD_DTYPES[dtype]
+
+
+def resolve_weight_file(spec: str, *, what: str, example: str) -> Path:
+    """A reward model's weight file: `spec` itself if it is an existing file, else the hub file
+    `owner/repo/path/in/repo` fetched with `hf_hub_download` (only from the cache when HF_HUB_OFFLINE=1).
+
+    `what` names the option in errors (e.g. "hpsv2 checkpoint"); `example` is a valid hub form.
+    """
+    local = Path(spec).expanduser()
+    if local.is_file():
+        return local
+    if local.is_absolute() or spec.startswith((".", "~")):
+        raise FileNotFoundError(f"{what} '{spec}' does not exist")
+    parts = spec.split("/")
+    if len(parts) < 3 or not all(parts):
+        raise FileNotFoundError(
+            f"{what} {spec!r} is not an existing file, nor of the hub form 'owner/repo/filename' "
+            f"(e.g. {example!r}); give a local file path or a hub file"
+        )
+    from huggingface_hub import hf_hub_download
+
+    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    try:
+        return Path(hf_hub_download(repo_id=repo_id, filename=filename))
+    except Exception as err:  # hub errors have many types (offline, missing entry, network, auth)
+        raise FileNotFoundError(
+            f"{what} {spec!r} is not a local file and could not be fetched as {filename!r} from the hub "
+            f"repo {repo_id!r}: {err}\nFix: download it once with `hf download {repo_id} {filename}` on a "
+            "machine with network access (HF_HUB_OFFLINE=1 reads only the cache), or pass a local file path"
+        ) from err
