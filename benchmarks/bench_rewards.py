@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
         for trainer in trainers.values():
             trainer.rewards.close()
     serial, overlapped = statistics.median(times[False]), statistics.median(times[True])
+    machine = platform.processor() or platform.machine()
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": f"{machine}, {os.cpu_count()} cores, torch {torch.__version__}",
         "reward": args.reward,
         "size": args.size,
         "samples_per_step": 16,

@@ -27,6 +27,7 @@ def report_user_errors(body: Callable[[], str]) -> int:
     from glm_training.data import PromptFileError
     from glm_training.models.placement import PlacementError
     from glm_training.rewards.remote import RemoteRewardError
+    from glm_training.tracking import TrackerError
     from glm_training.trainers.ar_trainer import DynamicSamplingExhausted
 
     user_errors = (
@@ -37,6 +38,7 @@ def report_user_errors(body: Callable[[], str]) -> int:
         DynamicSamplingExhausted,
         FileExistsError,
         RemoteRewardError,
+        TrackerError,
     )
     try:
         message = body()

@@ -82,37 +82,40 @@ def prompt_seed(seed: int, text: str) -> int:
     return seed * 1_000_003 + zlib.crc32(text.encode("utf-8"))
 
 
+def rank_batches(num_prompts: int, batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's prompt batches: fixed global batches of `batch_size`, dealt round-robin to the ranks."""
+    batches = [list(range(i, min(i + batch_size, num_prompts))) for i in range(0, num_prompts, batch_size)]
+    return batches[rank::world_size]
+
+
 @torch.no_grad()
-def sample_images(pipeline, texts: list[str], sampling: EvalSampling, device: torch.device) -> list:
-    """One deterministic image per prompt (see the module docstring)."""
+def sample_batch(pipeline, texts: list[str], sampling: EvalSampling, device: torch.device) -> list:
+    """One deterministic image per prompt of one batch (see the module docstring)."""
     transformer = pipeline.transformer
     shape = (
         transformer.config.in_channels,
         sampling.height // pipeline.vae_scale_factor,
         sampling.width // pipeline.vae_scale_factor,
     )
-    images = []
-    for start in range(0, len(texts), sampling.batch_size):
-        chunk = texts[start : start + sampling.batch_size]
-        seeds = [prompt_seed(sampling.seed, t) for t in chunk]
-        prior = torch.cat(
-            [
-                generate_prior_tokens(pipeline, [t], sampling.height, sampling.width, seed=x)
-                for t, x in zip(chunk, seeds)
-            ]
-        )
-        latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
-        images += render_with_pipeline(
-            pipeline,
-            chunk,
-            prior.to(device),
-            latents.to(device, transformer.dtype),
-            sampling.height,
-            sampling.width,
-            sampling.num_inference_steps,
-            sampling.guidance_scale,
-        )
-    return images
+    seeds = [prompt_seed(sampling.seed, t) for t in texts]
+    # One AR call per prompt: its tokens depend on its own seed only.
+    prior = torch.cat(
+        [
+            generate_prior_tokens(pipeline, [t], sampling.height, sampling.width, seed=x)
+            for t, x in zip(texts, seeds)
+        ]
+    )
+    latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
+    return render_with_pipeline(
+        pipeline,
+        texts,
+        prior.to(device),
+        latents.to(device, transformer.dtype),
+        sampling.height,
+        sampling.width,
+        sampling.num_inference_steps,
+        sampling.guidance_scale,
+    )
 
 
 def evaluate_prompts(
@@ -124,20 +127,22 @@ def evaluate_prompts(
     device: torch.device,
     rank: int = 0,
     world_size: int = 1,
+    num_grid_images: int | None = None,
 ) -> tuple[dict[str, Any], list]:
-    """Sample and score every prompt; ranks split the prompts and gather the results.
+    """Sample and score every prompt; ranks take whole batches and gather the scores.
 
-    Returns (result dict as written to `<step>.json`, images in prompt order); on ranks other than 0 the
-    images list is empty (only rank 0 writes the grid).
+    Returns (result dict as written to `<step>.json`, images in prompt order). Only the first
+    `num_grid_images` images (all when None) travel to rank 0, which alone writes the grid; on other ranks
+    the images list is empty.
     """
-    mine = list(range(rank, len(prompts), world_size))
-    texts = [prompts[i].text for i in mine]
-    images = sample_images(pipeline, texts, sampling, device) if mine else []
-    parts = reward_set(images, texts, [prompts[i].metadata for i in mine]) if mine else {}
-    local = [
-        (i, image, {name: float(values[j]) for name, values in parts.items()})
-        for j, (i, image) in enumerate(zip(mine, images))
-    ]
+    local = []  # (prompt index, image or None, {reward name: score})
+    for batch in rank_batches(len(prompts), sampling.batch_size, rank, world_size):
+        texts = [prompts[i].text for i in batch]
+        images = sample_batch(pipeline, texts, sampling, device)
+        parts = reward_set(images, texts, [prompts[i].metadata for i in batch])
+        for j, (i, image) in enumerate(zip(batch, images)):
+            keep = num_grid_images is None or i < num_grid_images
+            local.append((i, image if keep else None, {name: float(v[j]) for name, v in parts.items()}))
     gathered = sorted(
         dist.flatten(dist.gather_objects(local)) if world_size > 1 else local, key=lambda r: r[0]
     )
@@ -158,7 +163,7 @@ def evaluate_prompts(
         "total_per_prompt": total.tolist(),
         "prompts": [p.text for p in prompts],
     }
-    return result, ([r[1] for r in gathered] if rank == 0 else [])
+    return result, ([r[1] for r in gathered if r[1] is not None] if rank == 0 else [])
 
 
 def eval_scalars(result: dict[str, Any]) -> dict[str, float]:
@@ -207,8 +212,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--config", help="evaluate the base model of this training config instead of a checkpoint"
     )
-    parser.add_argument("--output", help="folder for <step>.json and <step>.png (default: <run>/eval)")
-    parser.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights")
+    parser.add_argument(
+        "--output", help="folder for <step>.json and <step>.png (default: <run>/eval/standalone)"
+    )
+    parser.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="evaluate the EMA weights (default: when the checkpoint has them, as training-time eval does)",
+    )
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
@@ -225,22 +237,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
-    from glm_training.checkpoint import read_checkpoint_state
     from glm_training.config import load_config, load_run_config
     from glm_training.rewards import RewardSet
     from glm_training.trainers.reward_trainer import setup_logging
 
     setup_logging(True)
     if args.checkpoint:
-        from glm_training.export import load_pipeline_from_checkpoints, resolve_checkpoint
+        from glm_training.export import (
+            inspect_checkpoints,
+            load_pipeline_from_checkpoints,
+            resolve_checkpoint,
+        )
 
         checkpoints = [resolve_checkpoint(Path(c)) for c in args.checkpoint]
-        states = [read_checkpoint_state(c) for c in checkpoints]
+        # Every checkpoint error (two DiT runs, other base models, --ema without EMA) before any loading.
+        infos = inspect_checkpoints(checkpoints, use_ema=args.ema is True)
+        # As in training: the EMA weights when the run kept them (unless --no-ema).
+        use_ema = all(info.has_ema for info in infos) if args.ema is None else args.ema
         # Sampling settings come from the DiT run when one is given (it trained the decoder's sampling).
-        main_index = next((i for i, s in enumerate(states) if s.get("component") == "dit"), 0)
+        main_index = next((i for i, info in enumerate(infos) if info.component == "dit"), 0)
         cfg = load_run_config(checkpoints[main_index] / "config.yaml", overrides)
-        step = max(int(s["step"]) for s in states)
-        output = Path(args.output) if args.output else checkpoints[main_index].parent.parent / "eval"
+        step = max(info.step for info in infos)
+        run_folder = checkpoints[main_index].parent.parent
+        output = Path(args.output) if args.output else run_folder / "eval" / "standalone"
     else:
         cfg = load_config(["--config", args.config, *overrides], args.config)
         step = 0
@@ -258,7 +277,8 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
 
     dtype = parse_dtype(cfg.model.dtype)
     if args.checkpoint:
-        pipeline = load_pipeline_from_checkpoints(checkpoints, use_ema=args.ema, dtype=dtype)
+        # Adapters stay unmerged, as in the training-time evaluation (merging rounds differently in bf16).
+        pipeline = load_pipeline_from_checkpoints(checkpoints, use_ema=use_ema, merge_lora=False, dtype=dtype)
     else:
         from diffusers import GlmImagePipeline
 

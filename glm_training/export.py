@@ -412,6 +412,16 @@ def _check_output(output: Path, infos: list[CheckpointInfo], overwrite: bool) ->
             )
         if not output.is_dir():
             raise FileExistsError(f"--output '{output}' exists and is not a folder; refusing to replace it.")
+        if not any((output / marker).is_file() for marker in ("export_info.json", "model_index.json")):
+            raise FileExistsError(
+                f"--output '{output}' exists and is not a pipeline folder (no model_index.json); --overwrite "
+                "only replaces an earlier export. Choose a new folder, or remove this one yourself."
+            )
+    parent = output.absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise FileExistsError(
+            f"cannot write --output '{output}': its parent '{parent}' does not exist or is not writable."
+        )
     # --overwrite must never delete what the export reads.
     resolved = output.resolve()
     sources = [(info.path, "the checkpoint") for info in infos]

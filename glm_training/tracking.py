@@ -12,8 +12,9 @@ gets a `NullTracker`, which creates no files and imports neither backend. On the
 Resuming: the W&B run id is kept in `<output_dir>/wandb/run_id.txt` and the run is opened with
 `resume="allow"`, so a run continued in the same output directory (`trainer.resume=latest`) keeps logging into
 the same W&B run. W&B drops points whose step is not above the last one it recorded, so steps repeated after
-a checkpoint (logged before the interruption) keep their first values there; TensorBoard keeps both and shows
-the latest. A fresh output directory starts a fresh W&B run.
+a checkpoint (logged before the interruption) keep their first values there; TensorBoard is opened with
+`purge_step` at the resumed step, which discards the events logged after the checkpoint. A fresh output
+directory starts a fresh W&B run. A run that ends with an exception is closed as failed (W&B exit code 1).
 
 Values that are not finite real numbers (strings, NaN, inf, multi-element tensors) are skipped with one
 warning per key: the full record, including NaNs, is in `metrics.jsonl`. Logging after `close()` is a no-op.
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_RUN_ID_FILE = "run_id.txt"
+
+
+class TrackerError(RuntimeError):
+    """A tracker cannot start (wandb missing, not logged in, ...); the message says how to fix or skip it."""
 
 
 def _as_float(value: Any) -> float | None:
@@ -105,18 +110,18 @@ class Tracker(abc.ABC):
             )
         self._write_images(int(step), tag, list(images), list(captions))
 
-    def close(self) -> None:
-        """Flush and release the backend; safe to call twice."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and release the backend (`failed`: the run ended with an error); safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self._close()
+        self._close(failed)
 
     def __enter__(self) -> Tracker:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        self.close(failed=exc_type is not None)
 
     @abc.abstractmethod
     def _write_scalars(self, step: int, values: dict[str, float]) -> None: ...
@@ -125,7 +130,7 @@ class Tracker(abc.ABC):
     def _write_images(self, step: int, tag: str, images: list[Image.Image], captions: list[str]) -> None: ...
 
     @abc.abstractmethod
-    def _close(self) -> None: ...
+    def _close(self, failed: bool) -> None: ...
 
 
 class NullTracker(Tracker):
@@ -137,20 +142,21 @@ class NullTracker(Tracker):
     def _write_images(self, step: int, tag: str, images: list[Image.Image], captions: list[str]) -> None:
         pass
 
-    def _close(self) -> None:
+    def _close(self, failed: bool) -> None:
         pass
 
 
 class TensorBoardTracker(Tracker):
     """TensorBoard event files in `log_dir`: a scalar series per key; images as a captioned grid + text."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
         super().__init__()
         # Imported here so that ranks without a tracker never load tensorboard.
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        # On resume, events at steps >= purge_step (logged after the checkpoint) are discarded.
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def _write_scalars(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -162,7 +168,7 @@ class TensorBoardTracker(Tracker):
         # Captions in the grid are cut to a few lines; the text tab keeps the full prompts.
         self._writer.add_text(f"{tag}/captions", captions_markdown(captions), global_step=step)
 
-    def _close(self) -> None:
+    def _close(self, failed: bool) -> None:
         self._writer.flush()
         self._writer.close()
 
@@ -171,7 +177,7 @@ def _import_wandb() -> Any:
     try:
         import wandb
     except ImportError as err:
-        raise ImportError(
+        raise TrackerError(
             "logging.wandb=true needs the wandb package: `pip install wandb` (or the project's `wandb` "
             "extra), or set logging.wandb=false to log to TensorBoard only"
         ) from err
@@ -214,7 +220,7 @@ class WandbTracker(Tracker):
                 resume="allow" if run_id is not None else None,
             )
         except (wandb.errors.UsageError, wandb.errors.CommError) as err:
-            raise RuntimeError(
+            raise TrackerError(
                 f"could not start the W&B run ({err}); log in with `wandb login` or set WANDB_API_KEY, or "
                 "set logging.wandb_mode=offline (sync later) or logging.wandb=false"
             ) from err
@@ -226,9 +232,9 @@ class WandbTracker(Tracker):
         media = [self._wandb.Image(image, caption=text) for image, text in zip(images, captions, strict=True)]
         self._run.log({tag: media}, step=step)
 
-    def _close(self) -> None:
+    def _close(self, failed: bool) -> None:
         # finish() flushes the run's history and files to disk (offline) or the server (online).
-        self._run.finish()
+        self._run.finish(exit_code=1 if failed else 0)
 
 
 class MultiTracker(Tracker):
@@ -246,11 +252,11 @@ class MultiTracker(Tracker):
         for tracker in self.trackers:
             tracker.log_images(step, tag, images, captions)
 
-    def _close(self) -> None:
+    def _close(self, failed: bool) -> None:
         errors: list[BaseException] = []
         for tracker in self.trackers:
             try:
-                tracker.close()
+                tracker.close(failed)
             except Exception as err:  # the other backends must still flush
                 errors.append(err)
         if errors:
@@ -281,8 +287,12 @@ def build_tracker(
     wandb_project: str = "glm-training",
     wandb_entity: str | None = None,
     wandb_mode: str = "online",
+    start_step: int = 0,
 ) -> Tracker:
-    """The tracker of this process: a `NullTracker` off the main process, else the enabled backends."""
+    """The tracker of this process: a `NullTracker` off the main process, else the enabled backends.
+
+    `start_step`: the step a resumed run continues from (0 for a fresh run).
+    """
     if not is_main:
         return NullTracker()
     output_dir = Path(output_dir)
@@ -294,7 +304,8 @@ def build_tracker(
         _import_wandb()
     trackers: list[Tracker] = []
     if tensorboard:
-        trackers.append(TensorBoardTracker(output_dir / "tensorboard"))
+        purge_step = start_step + 1 if start_step else None  # a resumed run logs from start_step + 1
+        trackers.append(TensorBoardTracker(output_dir / "tensorboard", purge_step=purge_step))
     if wandb:
         try:
             trackers.append(

@@ -246,3 +246,11 @@ def test_bfloat16_weights_give_float32_scores_close_to_float32(clip_dir):
     assert half.dtype == torch.float32
     # bf16 keeps ~3 significant digits through two tiny 2-layer towers; scores are ~|14| at most.
     torch.testing.assert_close(half, full, rtol=0, atol=0.3)
+    # The temperature is read before the cast: bf16 would round log(1 / 0.07) = 2.6593 to 2.6562.
+    from transformers import CLIPModel
+
+    from glm_training.rewards.clip_base import ClipEmbedder
+
+    exact = CLIPModel.from_pretrained(clip_dir).logit_scale.item()
+    assert ClipEmbedder(str(clip_dir), dtype="bfloat16", device="cpu").logit_scale == exact
+    assert torch.tensor(exact).bfloat16().item() != exact  # the check above can fail

@@ -170,8 +170,8 @@ def test_two_ranks_share_group_statistics_and_train_in_step(tmp_path):
 @pytest.mark.slow
 def test_train_dit_entry_point_under_torchrun(tmp_path):
     small = [a for a in SMALL if not a.startswith("eval.")]
-    # 3 held-out prompts over 2 ranks (2 + 1), one image per forward pass so the batching cannot matter.
-    evaluation = ["eval.every_n_steps=2", "eval.num_prompts=3", "eval.batch_size=1"]
+    # 3 held-out prompts in global batches [0, 1] and [2], one per rank; a single process runs both.
+    evaluation = ["eval.every_n_steps=2", "eval.num_prompts=3", "eval.batch_size=2"]
     args = [*small, *evaluation, "data.num_groups_per_step=2", "trainer.num_steps=2"]
     result = torchrun("train_dit.py", [*args, f"trainer.output_dir={tmp_path}"], timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -29,10 +29,11 @@ EVAL = ["eval.num_prompts=3", "eval.batch_size=2"]
 
 @pytest.fixture(scope="module")
 def dit_run(tmp_path_factory) -> Path:
-    """Two steps of a small DiT run with an evaluation at steps 0 and 2."""
+    """Two steps of a small DiT run with EMA and an evaluation (of the EMA weights) at steps 0 and 2."""
     out = tmp_path_factory.mktemp("dit_eval_run")
     small = [a for a in SMALL if not a.startswith("eval.every_n_steps")]
     args = [*small, *EVAL, "trainer.num_steps=2", "eval.every_n_steps=2", f"trainer.output_dir={out}"]
+    args.append("algo.ema=true")
     assert run(DiTTrainer, "t2i_training", args) == 0
     return out
 
@@ -49,8 +50,12 @@ def test_standalone_evaluation_is_deterministic_and_matches_training(dit_run, tm
     a, b = _eval_numbers(first / "000002.json"), _eval_numbers(second / "000002.json")
     assert a == b  # bit for bit
     assert len(a["per_prompt"]) == 3 and len(set(a["per_prompt"])) == 3  # three different images
-    # The same weights and settings inside the training run gave the same numbers.
+    # The same (EMA) weights and settings inside the training run gave the same numbers.
     assert _eval_numbers(dit_run / "eval" / "000002.json") == a
+    # --no-ema evaluates the live weights instead, which differ from their EMA.
+    live = tmp_path / "live"
+    assert evaluate_main(["--checkpoint", str(dit_run), "--output", str(live), "--no-ema"]) == 0
+    assert _eval_numbers(live / "000002.json") != a
     assert (first / "000002.png").is_file()
     # The base model evaluated standalone reproduces the run's step-0 evaluation.
     base = tmp_path / "base"
@@ -59,6 +64,15 @@ def test_standalone_evaluation_is_deterministic_and_matches_training(dit_run, tm
     assert _eval_numbers(base / "000000.json") == _eval_numbers(dit_run / "eval" / "000000.json")
     # And the training changed the weights enough to change the evaluation.
     assert _eval_numbers(dit_run / "eval" / "000000.json") != a
+
+
+def test_rank_batches_deal_whole_batches():
+    from glm_training.evaluate import rank_batches
+
+    # 7 prompts in batches of 3: [0, 1, 2], [3, 4, 5], [6]; two ranks take batches 0, 2 and 1.
+    assert rank_batches(7, 3, 0, 2) == [[0, 1, 2], [6]]
+    assert rank_batches(7, 3, 1, 2) == [[3, 4, 5]]
+    assert rank_batches(2, 3, 1, 2) == []  # a rank with nothing to do still joins the gather
 
 
 def test_evaluation_overrides_change_the_result(dit_run, tmp_path):

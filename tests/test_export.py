@@ -318,6 +318,17 @@ def test_existing_output_is_refused(tmp_path, dit_lora_run, capsys):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
+def test_overwrite_only_replaces_an_earlier_export(tmp_path, dit_lora_run, capsys):
+    ckpt = _unloadable(_step(dit_lora_run, 2), tmp_path / "ckpt")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.txt").write_text("mine")
+    err = _bad(["--checkpoint", str(ckpt), "--output", str(tmp_path / "home"), "--overwrite"], capsys)
+    assert "not a pipeline folder" in err
+    assert (tmp_path / "home" / "thesis.txt").read_text() == "mine"
+    err = _bad(["--checkpoint", str(ckpt), "--output", str(tmp_path / "no" / "such" / "out")], capsys)
+    assert "does not exist or is not writable" in err
+
+
 def test_two_checkpoints_of_the_same_component_are_refused(tmp_path, dit_lora_run, dit_full_run, capsys):
     a = _unloadable(_step(dit_lora_run, 2), tmp_path / "a")
     b = _unloadable(_step(dit_full_run), tmp_path / "b")
@@ -340,6 +351,7 @@ def test_ema_export_of_a_run_without_ema_is_refused(tmp_path, dit_full_run, caps
 
 def test_overwrite_never_deletes_the_checkpoint_being_exported(tmp_path, dit_full_run, capsys):
     ckpt = _unloadable(_step(dit_full_run), tmp_path / "run" / "checkpoints" / "step-000001")
+    (tmp_path / "run" / "model_index.json").write_text("{}")  # looks like an earlier export
     err = _bad(["--checkpoint", str(ckpt), "--output", str(tmp_path / "run"), "--overwrite"], capsys)
     assert "contains the checkpoint" in err
     assert (ckpt / "trainable.safetensors").is_file()

@@ -425,3 +425,10 @@ def test_preprocess_golden_values_and_crop():
     unnormalised = out[0] * torch.tensor(clip_std)[:, None, None] + torch.tensor(clip_mean)[:, None, None]
     torch.testing.assert_close(unnormalised[:, 0, 8], torch.tensor([0.0, 1.0, 0.0]), rtol=0, atol=1e-6)
     torch.testing.assert_close(unnormalised[:, 15, 8], torch.tensor([1.0, 1.0, 1.0]), rtol=0, atol=1e-6)
+
+
+def test_a_path_to_the_checkpoint_file_means_its_folder(tiny):
+    from glm_training.rewards.imagereward import resolve_imagereward_files
+
+    folder = Path(tiny["model"])
+    assert resolve_imagereward_files(str(folder / "ImageReward.pt")) == resolve_imagereward_files(str(folder))

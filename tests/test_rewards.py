@@ -299,6 +299,18 @@ def test_scoring_queue_keeps_order_and_overlaps(overlap):
         assert threads == ["MainThread"] * 3 and elapsed >= 1.2, elapsed
 
 
+def test_scoring_queue_fails_fast_and_drops_the_queued_chunks():
+    reward_set = RewardSet({"test_constant_reward": 1.0}, options={"test_constant_reward": {"bad": "nan"}})
+    queue = reward_set.queue(overlap=True)
+    queue.submit([Image.new("RGB", (8, 8))] * 2, ["a", "b"], [{}, {}])
+    time.sleep(0.2)  # the worker scores (and fails on) the first chunk meanwhile
+    # The next submit, not the end of the rollout, raises the first chunk's error.
+    with pytest.raises(ValueError, match="'test_constant_reward' returned non-finite"):
+        queue.submit([Image.new("RGB", (8, 8))] * 2, ["c", "d"], [{}, {}])
+    assert queue._pending == []
+    reward_set.close()
+
+
 def test_scoring_queue_reraises_a_reward_error():
     reward_set = RewardSet({"test_constant_reward": 1.0}, options={"test_constant_reward": {"bad": "nan"}})
     queue = reward_set.queue(overlap=True)

@@ -24,6 +24,7 @@ from glm_training.tracking import (
     MultiTracker,
     NullTracker,
     TensorBoardTracker,
+    TrackerError,
     WandbTracker,
     build_tracker,
     captions_markdown,
@@ -225,7 +226,7 @@ def test_missing_wandb_or_bad_mode_is_a_clear_error_before_any_file(tmp_path, mo
             is_main=True, output_dir=tmp_path / "a", run_name="r", config={}, wandb=True, wandb_mode="on"
         )
     monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` does when it is not installed
-    with pytest.raises(ImportError, match=r"pip install wandb.*logging\.wandb=false"):
+    with pytest.raises(TrackerError, match=r"pip install wandb.*logging\.wandb=false"):
         build_tracker(is_main=True, output_dir=tmp_path / "b", run_name="r", config={}, wandb=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 

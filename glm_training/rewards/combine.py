@@ -115,6 +115,7 @@ class RewardSet:
         for reward in self.rewards.values():
             reward.check_prompts(prompts, metadata)
 
+    @torch.no_grad()  # also in the scoring thread, which does not inherit the caller's grad mode
     def __call__(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> Scores:
         """Every reward's raw scores of the batch: {name: `scores_n` [N]}, float32 on the CPU, validated."""
         num_images = len(images)
@@ -139,7 +140,8 @@ class RewardSet:
 
     def close(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            # After a failure, chunks still queued are dropped rather than scored for nothing.
+            self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
 
 
@@ -152,14 +154,30 @@ class ScoringQueue:
         self._pending: list[Future | Scores] = []
 
     def submit(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> None:
+        # Fail fast: a chunk that already failed stops the rollout here instead of after its last chunk.
+        for pending in self._pending:
+            if isinstance(pending, Future) and pending.done() and pending.exception() is not None:
+                self.cancel()
+                raise pending.exception()
         if self.executor is None:
             self._pending.append(self.reward_set(images, prompts, metadata))
         else:
             self._pending.append(self.executor.submit(self.reward_set, images, prompts, metadata))
 
+    def cancel(self) -> None:
+        """Drop the chunks not yet scored."""
+        for pending in self._pending:
+            if isinstance(pending, Future):
+                pending.cancel()
+        self._pending = []
+
     def result(self) -> Scores:
         """{name: [N]} over all submitted chunks, in submission order; re-raises a reward's error."""
-        chunks = [p.result() if isinstance(p, Future) else p for p in self._pending]
+        try:
+            chunks = [p.result() if isinstance(p, Future) else p for p in self._pending]
+        except BaseException:
+            self.cancel()
+            raise
         self._pending = []
         names = self.reward_set.names
         if not chunks:

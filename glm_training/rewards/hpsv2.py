@@ -43,13 +43,14 @@ import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoTokenizer, CLIPModel, CLIPProcessor
-from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+if TYPE_CHECKING:  # transformers loads only when the reward is built
+    from transformers import CLIPModel
 
 from glm_training.rewards.clip_base import (
     OFFLINE_FIX,
@@ -129,6 +130,9 @@ class HpsEmbedder(ClipEmbedder):
         self.batch_size = batch_size
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         # Only the tokenizer is used: `pixel_values` below replaces the image processor.
+        from transformers import CLIPProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
         self.processor = CLIPProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tokenizer)
         self.max_text_tokens = model.config.text_config.max_position_embeddings
         self.image_size = model.config.vision_config.image_size
@@ -141,6 +145,8 @@ class HpsEmbedder(ClipEmbedder):
 
 def _load_tokenizer(tokenizer: str) -> Any:
     try:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(tokenizer)
     except OSError as err:
         raise OSError(f"could not load the hpsv2 tokenizer {tokenizer!r}: {err}\nFix: {OFFLINE_FIX}") from err
@@ -231,6 +237,8 @@ class Hpsv2Reward(Reward):
                     f"hpsv2: arch={arch!r} is ignored with `model` (its config.json decides)", stacklevel=2
                 )
             try:
+                from transformers import CLIPModel
+
                 clip = CLIPModel.from_pretrained(model, dtype=reward_dtype(dtype))
             except OSError as err:
                 raise OSError(f"could not load the hpsv2 model {model!r}: {err}\nFix: {OFFLINE_FIX}") from err

@@ -352,7 +352,12 @@ def imagereward_tokenizer(name_or_path: str) -> Any:
 
 
 def resolve_imagereward_files(model: str) -> tuple[Path, Path]:
-    """Paths of (`ImageReward.pt`, `med_config.json`) in the local folder or hub repo `model`."""
+    """Paths of (`ImageReward.pt`, `med_config.json`) in the local folder or hub repo `model`.
+
+    A path to the `ImageReward.pt` file itself (as the official `load()` accepts) means its folder.
+    """
+    if os.path.isfile(model) and Path(model).name == CHECKPOINT_FILE:
+        model = str(Path(model).parent)
     if os.path.isdir(model):
         paths = (Path(model) / CHECKPOINT_FILE, Path(model) / MED_CONFIG_FILE)
         absent = [path.name for path in paths if not path.is_file()]

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from transformers import CLIPConfig, CLIPModel
+
+if TYPE_CHECKING:  # transformers loads only when a model is converted
+    from transformers import CLIPConfig, CLIPModel
 
 # CLIPConfig keyword arguments of open_clip architectures. ViT-H-14 (open_clip model_configs/ViT-H-14.json):
 # embed_dim 1024; vision width 1280, 32 layers, head_width 80 (-> 16 heads), patch 14, image 224, mlp_ratio 4;
@@ -86,6 +88,8 @@ class _Rule:
 
 def clip_config(arch: str | Mapping[str, Any]) -> CLIPConfig:
     """The `CLIPConfig` of an architecture: a name in `OPEN_CLIP_ARCHS`, or CLIPConfig keyword arguments."""
+    from transformers import CLIPConfig
+
     if isinstance(arch, str):
         if arch not in OPEN_CLIP_ARCHS:
             raise ValueError(
@@ -149,6 +153,8 @@ def conversion_rules(config: CLIPConfig) -> list[_Rule]:
 
 def expected_shapes(config: CLIPConfig) -> dict[str, torch.Size]:
     """Shapes of the persistent tensors of `CLIPModel(config)`, from a weightless (meta) instance."""
+    from transformers import CLIPModel
+
     with torch.device("meta"):
         model = CLIPModel(config)
     return {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -278,6 +284,7 @@ def load_open_clip_into_transformers(state_dict: Mapping[str, torch.Tensor], con
     CPU) and the converted tensors are assigned in place of the empty ones.
     """
     from accelerate import init_empty_weights
+    from transformers import CLIPModel
 
     converted = open_clip_to_transformers(state_dict, config)
     # Buffers (position ids) are built for real: they are not in the state dict.

@@ -103,19 +103,32 @@ def build_reward(name: str, **options: Any) -> Reward:
 
 
 def reward_device(device: str = "auto") -> torch.device:
-    """The device a reward model runs on: "auto" is this process's own device (`cuda:LOCAL_RANK` or CPU)."""
+    """The device a reward model runs on: "auto" is this process's own device (`cuda:LOCAL_RANK` or CPU).
+
+    A bare "cuda" also means the rank's own GPU: rewards are built before the distributed engine sets the
+    current device, so "cuda" would otherwise put every rank's reward models on GPU 0.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
         from glm_training.distributed import choose_device
 
-        return choose_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return choose_device(local_rank)
     try:
         resolved = torch.device(device)
     except RuntimeError:
         raise ValueError(f"reward device {device!r} is not a device; use 'auto', 'cpu' or 'cuda:N'") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"reward device {device!r} asks for CUDA, which is not available; use 'auto' or 'cpu'"
-        )
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"reward device {device!r} asks for CUDA, which is not available; use 'auto' or 'cpu'"
+            )
+        if resolved.index is None:
+            resolved = torch.device("cuda", local_rank % torch.cuda.device_count())
+        elif resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"reward device {device!r}: this machine has {torch.cuda.device_count()} GPU(s); "
+                "use 'auto' (the rank's own GPU) or an existing index"
+            )
     return resolved
 
 

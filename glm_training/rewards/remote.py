@@ -332,6 +332,17 @@ class RemoteReward(Reward):
             )
         logger.info("remote reward: %s hosts reward %r", self.base_url, self.remote_reward)
 
+    def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
+        """At start-up: every prompt's metadata must travel as JSON (else the first batch would fail)."""
+        for prompt, meta in zip(prompts, metadata):
+            try:
+                _json_dumps(meta)
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"prompt {prompt!r}: its metadata cannot be sent to the remote reward as JSON ({error}); "
+                    "keep prompt-file metadata to strings, finite numbers, booleans, lists and dicts"
+                ) from None
+
     def __call__(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         if not len(images) == len(prompts) == len(metadata):
             raise ValueError(
@@ -377,6 +388,13 @@ class RemoteReward(Reward):
             except TimeoutError:
                 timed_out = True
                 cause = f"timed out after {self.timeout_s:g} s (timeout_s) waiting for the server"
+                if method == "POST":
+                    # The server took the batch and may still be scoring it: sending it again would only
+                    # queue the same work behind it (the server scores one batch at a time).
+                    raise RemoteRewardError(
+                        f"remote reward {method} {url}: {cause} (not retried: the server may still be "
+                        "scoring the batch). A slow scorer needs a larger timeout_s, or a smaller batch_size."
+                    ) from None
             except urllib.error.URLError as error:
                 reason = error.reason
                 timed_out = isinstance(reason, TimeoutError)

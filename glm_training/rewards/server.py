@@ -214,7 +214,11 @@ class _RewardHandler(BaseHTTPRequestHandler):
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client gave up (its timeout_s) while the reward was scoring: nothing left to answer.
+            logger.warning("%s: the client closed the connection before the answer", self.address_string())
         self.close_connection = True  # one request per connection: the body may not have been read
         elapsed = time.perf_counter() - self._started
         logger.info(

@@ -172,17 +172,6 @@ class RewardTrainer:
         self.metrics = MetricsWriter(self.output_dir, self.is_main)
         if self.is_main:
             (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
-        self.tracker = build_tracker(
-            is_main=self.is_main,
-            output_dir=self.output_dir,
-            run_name=cfg.run_name,
-            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
-            tensorboard=cfg.logging.tensorboard,
-            wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project,
-            wandb_entity=cfg.logging.wandb_entity,
-            wandb_mode=cfg.logging.wandb_mode,
-        )
 
         self.wrapper = self._build_model()
         self.trainable = self._setup_trainable(self.wrapper.trainable)
@@ -194,6 +183,19 @@ class RewardTrainer:
             self.trainable, self.optimizer, device_placement=[False, False]
         )
         self.start_step = self._maybe_resume()
+        self.wrapper.pipeline.set_progress_bar_config(disable=True)
+        self.tracker = build_tracker(
+            is_main=self.is_main,
+            output_dir=self.output_dir,
+            run_name=cfg.run_name,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_entity=cfg.logging.wandb_entity,
+            wandb_mode=cfg.logging.wandb_mode,
+            start_step=self.start_step,
+        )
 
     # ---------------------------------------------------------------------------------------------------
     # The loop
@@ -201,9 +203,10 @@ class RewardTrainer:
     def train(self) -> Path:
         cfg = self.cfg.trainer
         bar = self._progress_bar()
-        if self.start_step == 0:
-            self._maybe_evaluate(0)
+        failed = True
         try:
+            if self.start_step == 0:
+                self.tracker.log_scalars(0, self._maybe_evaluate(0))  # the base model's numbers
             for step in range(self.start_step, cfg.num_steps):
                 start = time.perf_counter()
                 batch = self._collect(step)
@@ -216,10 +219,11 @@ class RewardTrainer:
                 self._log(bar, record, batch)
                 if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.num_steps:
                     self._save(step + 1)
+            failed = False
         finally:
             if bar is not None:
                 bar.close()
-            self.tracker.close()
+            self.tracker.close(failed=failed)
             self.rewards.close()
         dist.barrier()
         return self.output_dir
@@ -514,7 +518,8 @@ class RewardTrainer:
         every = self.cfg.eval.every_n_steps
         if not every or not (step % every == 0 or step == self.cfg.trainer.num_steps):
             return {}
-        with self._eval_weights():
+        # The pipeline's AR stage reseeds the global RNG; training's random streams must not notice.
+        with self._eval_weights(), torch.random.fork_rng(devices=self._rng_devices()):
             result, images = evaluate_prompts(
                 self.wrapper.pipeline,
                 self.eval_prompts,
@@ -523,6 +528,7 @@ class RewardTrainer:
                 device=self.device,
                 rank=self.rank,
                 world_size=self.world_size,
+                num_grid_images=self.cfg.eval.num_grid_images,
             )
         scalars = eval_scalars(result)
         if self.is_main:
@@ -532,6 +538,9 @@ class RewardTrainer:
                 self.tracker.log_images(step, "eval/samples", grid_images, captions)
             logger.info("eval at step %d: reward %.4g", step, scalars["eval/reward_mean"])
         return scalars
+
+    def _rng_devices(self) -> list[int]:
+        return [self.device.index or 0] if self.device.type == "cuda" else []
 
     @contextlib.contextmanager
     def _eval_weights(self):
