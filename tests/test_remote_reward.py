@@ -193,6 +193,17 @@ def test_request_with_unserialisable_metadata_names_the_entry():
         encode_request([noise_image(0)], ["a"], [{"score": float("nan")}])
 
 
+def test_a_request_is_capped_in_total_pixels():
+    from glm_training.rewards.remote import MAX_REQUEST_PIXELS_FACTOR, encode_request, parse_request
+
+    # Images of 10x10 = 100 pixels with a 100-pixel limit per image: 4 fit in a request, a 5th does not.
+    images = [noise_image(i, (10, 10)) for i in range(MAX_REQUEST_PIXELS_FACTOR + 1)]
+    fitting = images[:MAX_REQUEST_PIXELS_FACTOR]
+    assert len(parse_request(encode_request(fitting, ["p"] * 4, [{}] * 4), max_pixels=100)[0]) == 4
+    with pytest.raises(WireFormatError, match=r"images\[4\].*400 pixels in all"):
+        parse_request(encode_request(images, ["p"] * 5, [{}] * 5), max_pixels=100)
+
+
 def test_metadata_that_cannot_travel_fails_at_start_up():
     with serve_in_thread(build_reward("jpeg_compressibility")) as server:
         client = RemoteReward(server.url, timeout_s=5)

@@ -48,6 +48,7 @@ DEFAULT_MAX_REQUEST_BYTES = 256 * 1024 * 1024
 # Scores of 10^5 images are ~2.5 MB of JSON; anything far larger is not a score answer.
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+MAX_REQUEST_PIXELS_FACTOR = 4  # a request may hold this many maximal images' worth of pixels in all
 # Pillow modes that PNG stores as they are; any other mode is converted before encoding.
 _PNG_MODES = frozenset({"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"})
 SERVER_HINT = (
@@ -177,12 +178,19 @@ def parse_request(
             raise WireFormatError(f"prompts[{index}] must be a string, got {type(prompt).__name__}")
         if not isinstance(meta, dict):
             raise WireFormatError(f"metadata[{index}] must be a JSON object, got {type(meta).__name__}")
-    decoded = []
+    decoded, total_pixels = [], 0
     for index, data in enumerate(images):
         try:
-            decoded.append(decode_image(data, max_pixels))
+            # Per image, and for the whole request: a small body of well-compressed PNGs could otherwise
+            # decode to far more memory than the server has.
+            image = decode_image(data, min(max_pixels, MAX_REQUEST_PIXELS_FACTOR * max_pixels - total_pixels))
         except WireFormatError as error:
-            raise WireFormatError(f"images[{index}] {error}") from None
+            limit = MAX_REQUEST_PIXELS_FACTOR * max_pixels
+            raise WireFormatError(
+                f"images[{index}] {error} (a request may hold {limit} pixels in all: send smaller batches)"
+            ) from None
+        total_pixels += image.width * image.height
+        decoded.append(image)
     return decoded, prompts, metadata
 
 
