@@ -23,6 +23,7 @@ SMALL = [
     "data.num_groups_per_step=2",
     "data.num_generations=2",
     "algo.micro_batch_size=2",
+    "eval.every_n_steps=0",
 ]
 
 
@@ -141,3 +142,9 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     assert len(rows) >= 30
     # The default run gains ~2 (kB of JPEG, from about -52.2) with a per-step noise of ~0.1-0.2.
     assert rewards[-5:].mean() - rewards[:5].mean() > 0.8, rewards.round(3).tolist()
+    # The held-out evaluation (deterministic sampling, before training and every 15 steps) gains too.
+    evals = {
+        int(p.stem): json.loads(p.read_text())["reward_mean"] for p in (tmp_path / "eval").glob("*.json")
+    }
+    assert sorted(evals) == [0, 15, 30]
+    assert evals[30] - evals[0] > 1.0, evals  # measured: -52.22 -> -49.67

@@ -142,7 +142,7 @@ def test_ar_run_with_evaluation_overlap_and_wandb_offline(tmp_path):
         "algo.micro_batch_size=2",
         "trainer.num_steps=1",
         "reward.overlap=true",
-        "eval.every_n_steps=1",  # (ar_training.yaml has no evaluation)
+        "eval.every_n_steps=1",
         *EVAL,
         "logging.images_every_n_steps=1",
         "logging.wandb=true",

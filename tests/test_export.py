@@ -31,6 +31,7 @@ DIT_SMALL = [
     "data.num_groups_per_step=2",
     "data.num_generations=2",
     "trainer.num_steps=1",
+    "eval.every_n_steps=0",
 ]
 AR_SMALL = [
     "trainer.progress_bar=false",
@@ -42,6 +43,7 @@ AR_SMALL = [
     "algo.micro_batch_size=4",
     "algo.dynamic_sampling=false",
     "trainer.num_steps=1",
+    "eval.every_n_steps=0",
 ]
 # One optimizer step of Adam moves every weight by about lr, so a large lr makes one step visible.
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "optim.lr=0.1"]
