@@ -23,6 +23,17 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
+# A DiT run small enough for a test: 32x32 images, 3 sampling steps, 2 groups of 3, no evaluation.
+DIT_SMALL = [
+    "trainer.progress_bar=false",
+    "sampling.height=32",
+    "sampling.width=32",
+    "sampling.num_steps=3",
+    "data.num_groups_per_step=2",
+    "data.num_generations=3",
+    "eval.every_n_steps=0",
+]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory) -> Path:

@@ -7,22 +7,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import PYTHON, REPO, run_cli, torchrun
+from conftest import DIT_SMALL, PYTHON, REPO, run_cli, torchrun
 from safetensors.torch import load_file
 
 from glm_training.cli import run
 from glm_training.metrics import read_metrics
 from glm_training.trainers.dit_trainer import DiTTrainer
 
-SMALL = [
-    "trainer.progress_bar=false",
-    "sampling.height=32",
-    "sampling.width=32",
-    "sampling.num_steps=3",
-    "data.num_groups_per_step=2",
-    "data.num_generations=3",
-    "eval.every_n_steps=0",
-]
+SMALL = DIT_SMALL
 METRIC_KEYS = {
     "step",
     "reward_mean",

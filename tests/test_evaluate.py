@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, run_cli
+from conftest import DIT_SMALL, PYTHON, REPO, run_cli
 
 from glm_training.cli import run
 from glm_training.evaluate import main as evaluate_main
@@ -14,16 +14,7 @@ from glm_training.metrics import read_metrics
 from glm_training.trainers.ar_trainer import ARTrainer
 from glm_training.trainers.dit_trainer import DiTTrainer
 
-SMALL = [
-    "trainer.progress_bar=false",
-    "sampling.height=32",
-    "sampling.width=32",
-    "sampling.num_steps=3",
-    "data.num_groups_per_step=2",
-    "data.num_generations=3",
-    "logging.images_every_n_steps=0",
-    "eval.every_n_steps=0",
-]
+SMALL = [*DIT_SMALL, "logging.images_every_n_steps=0"]
 EVAL = ["eval.num_prompts=3", "eval.batch_size=2"]
 
 
