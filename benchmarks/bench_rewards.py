@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_dit import machine_info  # noqa: E402  (also puts the repository root on sys.path)
 
 from glm_training.config import load_config  # noqa: E402
 from glm_training.trainers.dit_trainer import DiTTrainer  # noqa: E402
@@ -86,9 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
         for trainer in trainers.values():
             trainer.rewards.close()
     serial, overlapped = statistics.median(times[False]), statistics.median(times[True])
-    machine = platform.processor() or platform.machine()
     result = {
-        "machine": f"{machine}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": machine_info(trainers[False].device),
         "reward": args.reward,
         "size": args.size,
         "samples_per_step": 16,

@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import sys
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from glm_training import distributed as dist
 from glm_training.data import Prompt, PromptFileError, load_prompts
 from glm_training.image_grid import caption, make_image_grid
 from glm_training.rewards.combine import weighted_sum
-from glm_training.rollout.dit import generate_prior_tokens, render_with_pipeline
+from glm_training.rollout.dit import generate_prior_tokens, prompt_seed, render_with_pipeline, seeded_latents
 
 logger = logging.getLogger("glm_training")
 
@@ -77,11 +76,6 @@ def load_eval_prompts(eval_cfg: Any) -> list[Prompt]:
     return prompts[: eval_cfg.num_prompts] if eval_cfg.num_prompts else prompts
 
 
-def prompt_seed(seed: int, text: str) -> int:
-    """A prompt's sampling seed: a function of the evaluation seed and the prompt text only."""
-    return seed * 1_000_003 + zlib.crc32(text.encode("utf-8"))
-
-
 def rank_batches(num_prompts: int, batch_size: int, rank: int, world_size: int) -> list[list[int]]:
     """This rank's prompt batches: fixed global batches of `batch_size`, dealt round-robin to the ranks."""
     batches = [list(range(i, min(i + batch_size, num_prompts))) for i in range(0, num_prompts, batch_size)]
@@ -91,12 +85,6 @@ def rank_batches(num_prompts: int, batch_size: int, rank: int, world_size: int) 
 @torch.no_grad()
 def sample_batch(pipeline, texts: list[str], sampling: EvalSampling, device: torch.device) -> list:
     """One deterministic image per prompt of one batch (see the module docstring)."""
-    transformer = pipeline.transformer
-    shape = (
-        transformer.config.in_channels,
-        sampling.height // pipeline.vae_scale_factor,
-        sampling.width // pipeline.vae_scale_factor,
-    )
     seeds = [prompt_seed(sampling.seed, t) for t in texts]
     # One AR call per prompt: its tokens depend on its own seed only.
     prior = torch.cat(
@@ -105,12 +93,12 @@ def sample_batch(pipeline, texts: list[str], sampling: EvalSampling, device: tor
             for t, x in zip(texts, seeds)
         ]
     )
-    latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
+    latents = seeded_latents(pipeline, seeds, sampling.height, sampling.width)
     return render_with_pipeline(
         pipeline,
         texts,
         prior.to(device),
-        latents.to(device, transformer.dtype),
+        latents.to(device, pipeline.transformer.dtype),
         sampling.height,
         sampling.width,
         sampling.num_inference_steps,
@@ -181,16 +169,15 @@ def grid_samples(result: dict[str, Any], images: list, num_images: int) -> tuple
 
 
 def write_evaluation(
-    folder: Path, step: int, result: dict[str, Any], images: list, num_grid_images: int
+    folder: Path, step: int, result: dict[str, Any], grid_images: list, captions: list[str]
 ) -> Path:
-    """`<folder>/<step>.json` (and `<step>.png`, the grid); returns the JSON path."""
+    """`<folder>/<step>.json`, and `<step>.png` (the captioned grid) when there are images; the JSON path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{step:06d}.json"
     path.write_text(json.dumps({"step": step, **result}, indent=2), encoding="utf-8")
-    shown, captions = grid_samples(result, images, num_grid_images)
-    if shown:
-        make_image_grid(shown, captions).save(folder / f"{step:06d}.png")
+    if grid_images:
+        make_image_grid(grid_images, captions).save(folder / f"{step:06d}.png")
     return path
 
 
@@ -292,7 +279,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
     pipeline.set_progress_bar_config(disable=True)
     result, images = evaluate_prompts(pipeline, prompts, reward_set, sampling, device=device)
     reward_set.close()
-    path = write_evaluation(output, step, result, images, cfg.eval.num_grid_images)
+    path = write_evaluation(output, step, result, *grid_samples(result, images, cfg.eval.num_grid_images))
     print(json.dumps({"step": step, **eval_scalars(result)}))
     return f"evaluation written to {path}"
 

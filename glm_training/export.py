@@ -68,6 +68,7 @@ from glm_training.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
     list_checkpoints,
+    read_checkpoint_state,
 )
 from glm_training.models.wrapper import TRAINABLE_COMPONENTS
 
@@ -146,7 +147,7 @@ def read_checkpoint(path: Path | str) -> CheckpointInfo:
 
     step_dir = resolve_checkpoint(path)
     try:
-        state = json.loads((step_dir / STATE_FILE).read_text(encoding="utf-8"))
+        state = read_checkpoint_state(step_dir)
         step, component = int(state["step"]), str(state["component"])
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(

@@ -14,6 +14,8 @@ as PickScore's and Flow-GRPO's inference code do.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from PIL import Image
 
@@ -37,6 +39,10 @@ def check_pairs(images: list[Image.Image], prompts: list[str], reward: str) -> N
         )
 
 
+if TYPE_CHECKING:  # transformers loads only when a scorer is built
+    from transformers import CLIPModel, CLIPProcessor
+
+
 class ClipEmbedder:
     """A frozen CLIP on `reward_device(device)` in `reward_dtype(dtype)` that embeds images and texts.
 
@@ -49,8 +55,8 @@ class ClipEmbedder:
         dtype: weight dtype name ("float32", "bfloat16", "float16"); embeddings are float32 anyway.
         batch_size: images (or texts) per forward pass.
 
-    Subclasses with another preprocessing override `pixel_values`; the embedding methods read only
-    `model`, `processor.tokenizer`, `device`, `dtype`, `batch_size` and `max_text_tokens`.
+    Subclasses with another preprocessing override `pixel_values`; subclasses whose model is not a folder
+    (HPSv2's converted open_clip weights) call `_attach` with the loaded model instead of `__init__`.
     """
 
     def __init__(
@@ -66,24 +72,32 @@ class ClipEmbedder:
         from transformers import CLIPModel, CLIPProcessor
 
         check_batch_size(batch_size, "CLIP")
-        self.device = reward_device(device)
-        self.dtype = reward_dtype(dtype)
-        self.batch_size = batch_size
         processor = model if processor is None else processor
         try:
-            self.model = CLIPModel.from_pretrained(model, dtype=torch.float32)
+            # Loaded in float32 and cast in `_attach`, so that the logit scale is read unrounded.
+            clip = CLIPModel.from_pretrained(model, dtype=torch.float32)
         except OSError as err:
             raise OSError(f"could not load the CLIP model {model!r}: {err}\nFix: {OFFLINE_FIX}") from err
-        # Read before the cast: in bf16, logit_scale = 4.6052 rounds to 4.5938 and exp() loses 1.1%.
-        self._logit_scale = float(self.model.logit_scale.detach())
-        self.model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         try:
-            self.processor = CLIPProcessor.from_pretrained(processor, backend="pil")
+            clip_processor = CLIPProcessor.from_pretrained(processor, backend="pil")
         except OSError as err:
             raise OSError(
                 f"could not load the CLIP processor {processor!r}: {err}\nFix: {OFFLINE_FIX}"
             ) from err
-        self.max_text_tokens = self.model.config.text_config.max_position_embeddings
+        self._attach(clip, clip_processor, device=device, dtype=dtype, batch_size=batch_size)
+
+    def _attach(
+        self, model: CLIPModel, processor: CLIPProcessor, *, device: str, dtype: str, batch_size: int
+    ) -> None:
+        """Take a loaded `CLIPModel` and `CLIPProcessor`: place, cast and freeze the model."""
+        self.device = reward_device(device)
+        self.dtype = reward_dtype(dtype)
+        self.batch_size = batch_size
+        # Read before the cast: in bf16, logit_scale = 4.6052 rounds to 4.5938 and exp() loses 1.1%.
+        self._logit_scale = float(model.logit_scale.detach().float())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.processor = processor
+        self.max_text_tokens = model.config.text_config.max_position_embeddings
 
     @property
     def embed_dim(self) -> int:
@@ -93,7 +107,7 @@ class ClipEmbedder:
     @property
     def logit_scale(self) -> float:
         """The learned log-temperature: CLIP's logits are `exp(logit_scale) * cos(image, text)`."""
-        return getattr(self, "_logit_scale", None) or float(self.model.logit_scale.detach().float().cpu())
+        return self._logit_scale
 
     @torch.no_grad()
     def pixel_values(self, images: list[Image.Image]) -> torch.Tensor:

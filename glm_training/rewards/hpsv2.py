@@ -68,7 +68,6 @@ from glm_training.rewards.registry import (
     Reward,
     register_reward,
     resolve_weight_file,
-    reward_device,
     reward_dtype,
 )
 
@@ -123,18 +122,14 @@ class HpsEmbedder(ClipEmbedder):
 
     def __init__(self, model: CLIPModel, tokenizer: Any, *, device: str, dtype: str, batch_size: int) -> None:
         # Not ClipEmbedder.__init__, which loads a model folder: this model may come from a converted
-        # open_clip checkpoint. The attributes are those ClipEmbedder's embedding methods read.
+        # open_clip checkpoint.
         check_batch_size(batch_size, "hpsv2")
-        self.device = reward_device(device)
-        self.dtype = reward_dtype(dtype)
-        self.batch_size = batch_size
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         # Only the tokenizer is used: `pixel_values` below replaces the image processor.
         from transformers import CLIPProcessor
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-        self.processor = CLIPProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tokenizer)
-        self.max_text_tokens = model.config.text_config.max_position_embeddings
+        processor = CLIPProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tokenizer)
+        self._attach(model, processor, device=device, dtype=dtype, batch_size=batch_size)
         self.image_size = model.config.vision_config.image_size
 
     @torch.no_grad()

@@ -12,6 +12,7 @@ within a group differ only through the DiT's noise.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -247,6 +248,24 @@ def generate_prior_tokens(
         prompt=list(prompts), height=height, width=width, device=device, generator=generator
     )
     return prior.cpu()
+
+
+def prompt_seed(seed: int, text: str) -> int:
+    """A seed that is a function of a base seed and the prompt text only (not of its batch or rank)."""
+    return seed * 1_000_003 + zlib.crc32(text.encode("utf-8"))
+
+
+def seeded_latents(pipeline, seeds: Sequence[int], height: int, width: int) -> torch.Tensor:
+    """[len(seeds), C, h, w] initial DiT latents on the CPU, each drawn from its own seed.
+
+    A sample's noise then depends on its seed only, not on its batch-mates or the batch size.
+    """
+    shape = (
+        pipeline.transformer.config.in_channels,
+        height // pipeline.vae_scale_factor,
+        width // pipeline.vae_scale_factor,
+    )
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
 
 
 @torch.no_grad()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,7 @@ from glm_training.rollout.ar import (
     split_samples,
     teacher_forced_log_probs,
 )
-from glm_training.rollout.dit import render_with_pipeline
+from glm_training.rollout.dit import prompt_seed, render_with_pipeline, seeded_latents
 from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
 
 logger = logging.getLogger("glm_training")
@@ -117,7 +116,7 @@ class ARTrainer(RewardTrainer):
         """One DiT noise seed per sample, shared by its group (see `sampling.dit_noise_seed`)."""
         seed = self.cfg.trainer.seed
         if self.cfg.sampling.dit_noise_seed == "prompt":
-            return [seed * 1_000_003 + zlib.crc32(text.encode("utf-8")) for text in texts]
+            return [prompt_seed(seed, text) for text in texts]
         base = ((seed * 1_000_003 + step) * 101 + round_index) * 7919
         return [base + g for g in group_ids]
 
@@ -126,12 +125,7 @@ class ARTrainer(RewardTrainer):
         """Decode each sample's tokens with the frozen DiT from its noise seed; score chunk by chunk."""
         s = self.cfg.sampling
         pipe = self.wrapper.pipeline
-        shape = (
-            pipe.transformer.config.in_channels,
-            s.height // pipe.vae_scale_factor,
-            s.width // pipe.vae_scale_factor,
-        )
-        latents = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(x)) for x in seeds])
+        latents = seeded_latents(pipe, seeds, s.height, s.width)
         images = []
         chunk = self.cfg.algo.micro_batch_size
         for start in range(0, len(prompts), chunk):

@@ -532,10 +532,9 @@ class RewardTrainer:
             )
         scalars = eval_scalars(result)
         if self.is_main:
-            write_evaluation(self.output_dir / "eval", step, result, images, self.cfg.eval.num_grid_images)
             grid_images, captions = grid_samples(result, images, self.cfg.eval.num_grid_images)
-            if grid_images:
-                self.tracker.log_images(step, "eval/samples", grid_images, captions)
+            write_evaluation(self.output_dir / "eval", step, result, grid_images, captions)
+            self.tracker.log_images(step, "eval/samples", grid_images, captions)
             logger.info("eval at step %d: reward %.4g", step, scalars["eval/reward_mean"])
         return scalars
 
