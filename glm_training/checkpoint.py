@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from glm_training.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "step-"
@@ -29,7 +31,7 @@ STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be found or does not match the model; the message says which and why."""
 
 

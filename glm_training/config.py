@@ -29,12 +29,14 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from glm_training.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 BUNDLED_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts_tiny.txt"
 BUNDLED_EVAL_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts_eval.txt"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user-facing configuration error; the message names the key and the fix."""
 
     def __init__(self, key: str, message: str):

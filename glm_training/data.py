@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from glm_training.errors import UserError
 
-class PromptFileError(ValueError):
+
+class PromptFileError(UserError, ValueError):
     """The prompt file is missing, empty or malformed; the message names the file and line."""
 
 

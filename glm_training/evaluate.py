@@ -218,15 +218,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from glm_training.cli import report_user_errors
+    from glm_training.errors import report_user_errors
 
     return report_user_errors(lambda: _evaluate(*parse_args(sys.argv[1:] if argv is None else argv)))
 
 
 def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
     from glm_training.config import load_config, load_run_config
+    from glm_training.logs import setup_logging
     from glm_training.rewards import RewardSet
-    from glm_training.trainers.reward_trainer import setup_logging
 
     setup_logging(True)
     if args.checkpoint:

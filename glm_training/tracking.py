@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from glm_training.errors import UserError
 from glm_training.image_grid import make_image_grid
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 WANDB_RUN_ID_FILE = "run_id.txt"
 
 
-class TrackerError(RuntimeError):
+class TrackerError(UserError, RuntimeError):
     """A tracker cannot start (wandb missing, not logged in, ...); the message says how to fix or skip it."""
 
 

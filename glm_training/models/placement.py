@@ -29,12 +29,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from glm_training.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class PlacementError(RuntimeError):
+class PlacementError(UserError, RuntimeError):
     """A model cannot be placed as configured; the message says what to change."""
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from glm_training.errors import UserError
 from glm_training.rewards.registry import Reward, register_reward
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class WireFormatError(ValueError):
     """A request or answer that does not follow the wire format; the message names the field."""
 
 
-class RemoteRewardError(RuntimeError):
+class RemoteRewardError(UserError, RuntimeError):
     """The reward server could not be reached or gave an unusable answer; the message says what to check."""
 
 

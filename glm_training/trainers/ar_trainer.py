@@ -35,6 +35,7 @@ from glm_training.algorithms.losses import (
     ratio_stats,
 )
 from glm_training.data import Prompt
+from glm_training.errors import UserError
 from glm_training.rewards.combine import ScoringQueue
 from glm_training.rollout.ar import (
     ARSamples,
@@ -56,7 +57,7 @@ AGGREGATIONS = {
 }
 
 
-class DynamicSamplingExhausted(RuntimeError):
+class DynamicSamplingExhausted(UserError, RuntimeError):
     """Too few groups with reward spread after the resampling budget (`on_budget_exhausted=error`)."""
 
 

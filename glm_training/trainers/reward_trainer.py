@@ -13,7 +13,6 @@ import contextlib
 import copy
 import logging
 import math
-import sys
 import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from glm_training.evaluate import (
     write_evaluation,
 )
 from glm_training.image_grid import caption
+from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
@@ -110,32 +110,6 @@ class StatMeans:
 
     def means(self) -> dict[str, float]:
         return {key: total / max(self.count, 1) for key, total in self.sums.items()}
-
-
-def setup_logging(is_main: bool) -> None:
-    """Rank 0 logs at INFO; other ranks only warnings and errors."""
-    level = logging.INFO if is_main else logging.WARNING
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-        root.addHandler(handler)
-    root.setLevel(logging.WARNING)
-    logging.getLogger("glm_training").setLevel(level)
-    processing = logging.getLogger("transformers.processing_utils")
-    if not any(isinstance(f, _ProcessorKwargsFilter) for f in processing.filters):
-        processing.addFilter(_ProcessorKwargsFilter())
-
-
-class _ProcessorKwargsFilter(logging.Filter):
-    """Drops the warning transformers 5 prints on every call of GlmImagePipeline's AR stage.
-
-    diffusers' GlmImagePipeline passes its processor arguments the pre-5.0 way; the warning is about the
-    library's own call, is not actionable by users and would otherwise fill the log once per sample batch.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "processor_kwargs" not in record.getMessage()
 
 
 class RewardTrainer:
