@@ -345,9 +345,17 @@ class ARSamplingConfig:
 
     height: int = 64
     width: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    # The policy being trained is the distribution tokens are sampled from. Unset (null) = what
+    # GlmImagePipeline itself samples with: the AR checkpoint's generation_config, and transformers' defaults
+    # where it is silent (top_k 50); the real checkpoint gives 0.9 / 0.75 / 50. Set a value to override.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
+    # Faster generation with the same distribution (tokens and log-probs as the default path, see
+    # tests/test_ar_fast_generation.py): a static KV cache (transformers' cache_implementation="static"),
+    # and torch.compile of the decoding step on top of it (needs static_cache; compiles on first use).
+    static_cache: bool = False
+    compile: bool = False
     dit_num_steps: int = 4
     dit_guidance_scale: float = 1.5
     # The DiT noise that renders a group is fixed per group (rewards inside a group differ only through the AR
@@ -364,9 +372,15 @@ class ARSamplingConfig:
                 f"sampling.{key}",
                 f"GLM-Image needs a multiple of 32, got {value}; try {max(32, round(value / 32) * 32)}.",
             )
-        _check(self.temperature > 0, "sampling.temperature", "must be > 0.")
-        _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1].")
-        _check(self.top_k >= 0, "sampling.top_k", "must be >= 0 (0 = off).")
+        unset = "leave it unset (null) for the pipeline's own value."
+        _check(self.temperature is None or self.temperature > 0, "sampling.temperature", f"must be > 0; {unset}")
+        _check(self.top_p is None or 0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1]; {unset}")
+        _check(self.top_k is None or self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off); {unset}")
+        _check(
+            self.static_cache or not self.compile,
+            "sampling.compile",
+            "transformers compiles the decoding step only with a static KV cache; set sampling.static_cache=true.",
+        )
         _check(self.dit_num_steps >= 1, "sampling.dit_num_steps", "must be >= 1.")
         _check_choice(self.dit_noise_seed, ("step", "prompt"), "sampling.dit_noise_seed")
 
@@ -375,8 +389,14 @@ class ARSamplingConfig:
 class DAPOConfig:
     """GRPO/DAPO token-level loss and dynamic sampling."""
 
+    # The ratio is clipped to [1 - epsilon_low, 1 + epsilon_high]. DAPO's clip-higher (0.2 / 0.28) is for
+    # token-level ratios; GSPO's sequence-level ratios need far smaller ranges: the paper uses 3e-4 / 4e-4
+    # (TRL's GSPO recipe: epsilon=3e-4, epsilon_high=4e-4).
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
+    # token: one ratio per token (GRPO / DAPO). sequence: GSPO (arXiv 2507.18071; TRL's
+    # importance_sampling_level="sequence"), one ratio per sample, the geometric mean of its token ratios.
+    importance_sampling_level: str = "token"
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     beta: float = 0.0  # KL (k3) coefficient
     scale_rewards: str = "group"
@@ -385,12 +405,19 @@ class DAPOConfig:
     num_mini_batches: int = 1
     micro_batch_size: int = 4
     dynamic_sampling: bool = True
+    # A group whose reward std (population) is below this counts as flat: dynamic sampling drops it and
+    # frac_zero_std_groups counts it. 0 = only exact ties. Continuous rewards (PickScore, HPS, aesthetic)
+    # almost never tie, so set it to the reward's noise level there, or nothing is ever dropped and groups of
+    # pure noise get unit advantages.
+    min_group_std: float = 0.0
     max_resample_rounds: int = 3
     on_budget_exhausted: str = "warn"  # warn (train on what was found) | error
 
     def __post_init__(self) -> None:
         _check(0 < self.epsilon_low < 1, "algo.epsilon_low", "must be in (0, 1).")
         _check(self.epsilon_high > 0, "algo.epsilon_high", "must be > 0.")
+        _check_choice(self.importance_sampling_level, ("token", "sequence"), "algo.importance_sampling_level")
+        _check(self.min_group_std >= 0, "algo.min_group_std", "must be >= 0 (0 = only exact ties are flat).")
         _check_choice(
             self.loss_aggregation,
             ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),

@@ -275,10 +275,24 @@ class RewardTrainer:
         stats = {
             "reward_mean": all_rewards.mean().item(),
             "reward_std": all_rewards.std(unbiased=False).item(),
-            "frac_zero_std_groups": zero_std_groups(rewards_gk).float().mean().item(),
+            "frac_zero_std_groups": self.flat_groups(rewards_gk).float().mean().item(),
         }
         stats.update({f"reward/{name}": values.mean().item() for name, values in all_parts.items()})
         return advantages, stats
+
+    def flat_groups(self, rewards_gk: torch.Tensor) -> torch.Tensor:
+        """[G] bool: groups without reward spread (counted in `frac_zero_std_groups`); default: exact ties."""
+        return zero_std_groups(rewards_gk)
+
+    def policy_precision(self):
+        """The numeric precision of every pass of the policy: sampling, old log-probs, update, reference.
+
+        All of them run inside this one context (accelerate's autocast for `trainer.mixed_precision`), so
+        they compute in the same precision by construction: an unprepared module (the frozen reference copy
+        of full fine-tuning, the policy called outside `self.model`) would otherwise run in its parameters'
+        dtype while the prepared policy runs under autocast, and the first ratio / KL would not be exact.
+        """
+        return self.accelerator.autocast()
 
     def _build_model(self) -> GLMImageWrapper:
         """Load GLM-Image and place it on this process's device(s), following the plan (never by luck)."""
