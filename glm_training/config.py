@@ -373,13 +373,16 @@ class ARSamplingConfig:
                 f"GLM-Image needs a multiple of 32, got {value}; try {max(32, round(value / 32) * 32)}.",
             )
         unset = "leave it unset (null) for the pipeline's own value."
-        _check(self.temperature is None or self.temperature > 0, "sampling.temperature", f"must be > 0; {unset}")
+        _check(
+            self.temperature is None or self.temperature > 0, "sampling.temperature", f"must be > 0; {unset}"
+        )
         _check(self.top_p is None or 0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1]; {unset}")
         _check(self.top_k is None or self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off); {unset}")
         _check(
             self.static_cache or not self.compile,
             "sampling.compile",
-            "transformers compiles the decoding step only with a static KV cache; set sampling.static_cache=true.",
+            "transformers compiles the decoding step only with a static KV cache; set "
+            "sampling.static_cache=true.",
         )
         _check(self.dit_num_steps >= 1, "sampling.dit_num_steps", "must be >= 1.")
         _check_choice(self.dit_noise_seed, ("step", "prompt"), "sampling.dit_noise_seed")

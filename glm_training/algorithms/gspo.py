@@ -1,4 +1,4 @@
-"""GSPO: Group Sequence Policy Optimization (Zheng et al., arXiv 2507.18071); sequence-level importance ratios.
+"""GSPO, Group Sequence Policy Optimization (Zheng et al., arXiv 2507.18071): sequence-level ratios.
 
 GRPO/DAPO clip one ratio per token. GSPO uses one ratio per sample, the geometric mean of its token ratios
 (length-normalised sequence likelihood ratio),

@@ -252,7 +252,9 @@ def generation_speed_kwargs(static_cache: bool, compile: bool) -> dict[str, Any]
     default). The prefill step always runs eagerly (transformers compiles only the one-token steps).
     """
     if compile and not static_cache:
-        raise ValueError("compile=True needs static_cache=True: transformers compiles only with a static cache.")
+        raise ValueError(
+            "compile=True needs static_cache=True: transformers compiles only with a static cache."
+        )
     if not static_cache:
         return {}
     if not compile:

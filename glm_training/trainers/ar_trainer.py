@@ -6,10 +6,10 @@ group, so reward differences inside a group come from the AR tokens alone.
 
 Update: clipped objective with DAPO's clip-higher (`epsilon_low` / `epsilon_high`) on token-level ratios, or
 GSPO's sequence-level ratios (`algo.importance_sampling_level=sequence`, arXiv 2507.18071), the chosen loss
-aggregation, optional k3 KL to the reference. Every policy pass (sampling, old log-probs, update, reference)
-runs under `policy_precision()`, so under bf16 too the first ratio is exactly 1 by construction. Old log-probs are teacher-forced under the weights that
-sampled, over the very micro-batches the update uses, so the first ratio is exactly 1; the log-probs
-recorded during sampling are kept as a check (`sampling_logp_max_diff`).
+aggregation, optional k3 KL to the reference. Old log-probs are teacher-forced under the weights that
+sampled, over the very micro-batches the update uses, and every policy pass (sampling, old log-probs,
+update, reference) runs under `policy_precision()`: so the first ratio is exactly 1, under bf16 too; the
+log-probs recorded during sampling are kept as a check (`sampling_logp_max_diff`).
 
 Dynamic sampling (DAPO): groups whose rewards are all equal (or, with `algo.min_group_std`, whose reward std
 is below that threshold, for continuous rewards) carry no signal and are dropped; every rank
@@ -53,7 +53,6 @@ from glm_training.rollout.dit import prompt_seed, render_with_pipeline, seeded_l
 from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
 
 logger = logging.getLogger("glm_training")
-
 
 
 def _token_level_loss(new_bt, old_bt, adv_b, mask_bt, clip_low: float, clip_high: float):

@@ -74,7 +74,7 @@ class DiTTrainer(RewardTrainer):
                 dtype,
             )
             latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=self.device)
-            with self.accelerator.autocast():
+            with self.policy_precision():
                 trajectories.append(
                     sample_trajectory(
                         self.trainable,
@@ -161,7 +161,7 @@ class DiTTrainer(RewardTrainer):
     def _loss_and_backward(self, traj, j, rollout, adv, num_samples: int, num_steps: int) -> dict[str, float]:
         a = self.cfg.algo
         old_log_prob = traj.log_probs_bs[:, j].to(self.device)
-        with self.accelerator.autocast():
+        with self.policy_precision():
             new = self.policy_step(traj, j, rollout)
             policy_loss = clipped_policy_loss(
                 new.log_prob, old_log_prob, adv, a.clip_range, a.clip_range
