@@ -11,7 +11,7 @@ from conftest import PYTHON, REPO, run_cli, torchrun
 from safetensors.torch import load_file
 
 from glm_training.cli import run
-from glm_training.config import load_config
+from glm_training.config import ConfigError, load_config
 from glm_training.metrics import read_metrics
 from glm_training.trainers.ar_trainer import ARTrainer
 
@@ -180,14 +180,40 @@ def test_dynamic_sampling_budget_exhausted(tmp_path, mode):
 def test_default_run_completes_and_the_reward_rises(tmp_path):
     result = run_cli([PYTHON, "train_ar.py", f"trainer.output_dir={tmp_path}"], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The policy trained is the pipeline's own sampling distribution, logged once.
+    line = "AR sampling: temperature=0.9 top_p=0.75 top_k=50 (from the pipeline's generation config)"
+    assert (result.stdout + result.stderr).count(line) == 1
     rows = read_metrics(tmp_path / "metrics.jsonl")
     rewards = np.array([r["reward_mean"] for r in rows])
     assert len(rows) >= 30
-    # The default run gains ~2 (kB of JPEG, from about -52.2) with a per-step noise of ~0.1-0.2.
+    # The default run gains ~2 (kB of JPEG, from about -52.4; measured +1.93) with a per-step noise of
+    # ~0.1-0.2.
     assert rewards[-5:].mean() - rewards[:5].mean() > 0.8, rewards.round(3).tolist()
     # The held-out evaluation (deterministic sampling, before training and every 15 steps) gains too.
     evals = {
         int(p.stem): json.loads(p.read_text())["reward_mean"] for p in (tmp_path / "eval").glob("*.json")
     }
     assert sorted(evals) == [0, 15, 30]
-    assert evals[30] - evals[0] > 1.0, evals  # measured: -52.22 -> -49.67
+    assert evals[30] - evals[0] > 1.0, evals  # measured: -52.22 -> -50.00
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("sampling.compile=true", "sampling.compile"),  # needs sampling.static_cache=true
+        ("algo.importance_sampling_level=seq", "algo.importance_sampling_level"),
+        ("algo.min_group_std=-0.1", "algo.min_group_std"),
+        ("sampling.top_p=0", "sampling.top_p"),
+    ],
+)
+def test_bad_issue14_settings_fail_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config([override], "ar_training")
+    assert err.value.key == key
+
+
+def test_sampling_knobs_default_to_the_pipelines_own():
+    cfg = load_config([], "ar_training")
+    assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (None, None, None)
+    assert not cfg.sampling.static_cache and not cfg.sampling.compile
+    assert cfg.algo.importance_sampling_level == "token" and cfg.algo.min_group_std == 0.0

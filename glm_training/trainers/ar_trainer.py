@@ -253,14 +253,15 @@ class ARTrainer(RewardTrainer):
         )
 
     def _budget_exhausted(self, pool: list, num_valid: int, target: int, rounds: int) -> list:
+        min_std = self.cfg.algo.min_group_std
+        spread = f"reward std >= algo.min_group_std={min_std}" if min_std > 0 else "non-zero reward spread"
         message = (
-            f"dynamic sampling found {num_valid} of {target} groups with reward spread "
-            f"(std > 0, or >= algo.min_group_std={self.cfg.algo.min_group_std}) "
-            f"after {rounds} round(s)"
+            f"dynamic sampling found {num_valid} of {target} groups with {spread} after {rounds} round(s)"
         )
         if self.cfg.algo.on_budget_exhausted == "error":
             raise DynamicSamplingExhausted(
-                f"{message}. Raise algo.max_resample_rounds, use a reward with more spread, or set "
+                f"{message}. Raise algo.max_resample_rounds, use a reward with more spread (or a lower "
+                "algo.min_group_std), or set "
                 "algo.on_budget_exhausted=warn to train on what was found."
             )
         # Train on what was found, in a size every rank can share equally.
