@@ -352,6 +352,9 @@ def sample_image_tokens(
 
     recorded_positions: list[Tensor] = []
 
+    # Kept out of torch.compile's graph (`sampling.compile`): traced, the growing list would be a guard and
+    # force a recompilation at every step. Run eagerly, it costs one graph break per step.
+    @torch.compiler.disable
     def record_positions(module, args, kwargs):
         recorded_positions.append(kwargs.get("position_ids"))
 
