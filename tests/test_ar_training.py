@@ -90,6 +90,11 @@ def _dist_ar(tmp_path, prompts, *extra: str, reward: str = "flat_unless_noisy"):
         f"data.prompt_file={prompts}",
         "data.num_groups_per_step=4",
         f"reward.names=['{reward}']",
+        # At 32x32 the large grid is one token; with the pipeline's top-p 0.75 the two samples of a group
+        # often pick the same one and tie, so "noisy" prompts would not reliably have reward spread.
+        "sampling.temperature=1.0",
+        "sampling.top_p=1.0",
+        "sampling.top_k=0",
         "trainer.num_steps=1",
         f"trainer.output_dir={tmp_path / 'run'}",
         *extra,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DIT_SMALL
+from test_ar_training import SMALL as AR_TRAINING_SMALL
 
 from glm_training.config import load_config
 from glm_training.trainers.ar_trainer import ARTrainer
@@ -18,17 +19,18 @@ from glm_training.trainers.dit_trainer import DiTTrainer
 
 BF16_FULL_FT_KL = ["trainer.mixed_precision=bf16", "model.lora.enabled=false", "algo.beta=0.05"]
 
-AR_SMALL = [
-    "trainer.progress_bar=false",
-    "sampling.height=32",
-    "sampling.width=32",
-    "sampling.dit_num_steps=1",
-    "data.num_groups_per_step=2",
-    "data.num_generations=2",
-    "algo.micro_batch_size=2",
-    "algo.dynamic_sampling=false",
-    "eval.every_n_steps=0",
-]
+AR_SMALL = [*AR_TRAINING_SMALL, "algo.dynamic_sampling=false"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide mixed-precision setting and refuses another; the other tests of the
+    session run without mixed precision, so the state is reset before and after each bf16 trainer."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
 
 
 def _first_update(trainer):
