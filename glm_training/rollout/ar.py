@@ -353,10 +353,12 @@ def sample_image_tokens(
     recorded_positions: list[Tensor] = []
 
     # Kept out of torch.compile's graph (`sampling.compile`): traced, the growing list would be a guard and
-    # force a recompilation at every step. Run eagerly, it costs one graph break per step.
+    # force a recompilation at every step. Run eagerly, it costs one graph break per step. The copy: under
+    # CUDA graphs the positions are a graph output, whose memory the next step overwrites.
     @torch.compiler.disable
     def record_positions(module, args, kwargs):
-        recorded_positions.append(kwargs.get("position_ids"))
+        position_ids = kwargs.get("position_ids")
+        recorded_positions.append(None if position_ids is None else position_ids.clone())
 
     hook = model.get_decoder().register_forward_pre_hook(record_positions, with_kwargs=True)
     fork_devices = [device] if device.type != "cpu" else []
