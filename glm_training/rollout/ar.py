@@ -27,6 +27,11 @@ teacher-forced forward passes them back explicitly. Model internals relied on, g
 tests/test_ar_logprobs.py: `get_decoder()` is the text model; it receives `position_ids` of shape (3, B, S) as
 a keyword argument at every step of `generate()`; an explicit `position_ids` makes the model skip its own
 position computation. No private attribute is read.
+
+Faster generation (`generation_speed_kwargs`): a static KV cache and torch.compile of the decoding step,
+both transformers' own generate() options, change neither the tokens sampled for a seed nor (beyond fp32
+rounding) their log-probs; tests/test_ar_logprobs.py compares them with the default path. Compiling on a
+CPU sets transformers' `CompileConfig._compile_all_devices` flag (its documented switch for that).
 """
 
 from __future__ import annotations
