@@ -1,13 +1,16 @@
-"""Shared body of the entry points: parse the config, build the trainer, train.
+"""Shared body of the entry points: parse the command line, then train, print the config, or print help.
 
-Errors a user can fix (bad config, prompt file, reward name, checkpoint folder, placement, an exhausted
-dynamic-sampling budget) print one message naming the problem and the fix, and exit with status 2
-(`errors.report_user_errors`). This module imports no trainer: the entry points pass their class in.
+Hydra's own flags act here, before any model is loaded: `--cfg job|all|hydra` prints the resolved config and
+`--help` the config groups and every key with its doc (`config_help.py`); both exit 0. Errors a user can
+fix (bad config, prompt file, reward name, checkpoint folder, placement, an exhausted dynamic-sampling budget)
+print one message naming the problem and the fix, and exit with status 2 (`errors.report_user_errors`). This
+module imports no trainer: the entry points pass their class in.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from glm_training.errors import report_user_errors
 
@@ -15,10 +18,19 @@ __all__ = ["report_user_errors", "run"]
 
 
 def run(trainer_cls: type, default_config: str, argv: list[str] | None = None) -> int:
-    from glm_training.config import load_config
+    from glm_training.config import compose_config, parse_command_line
 
-    def train() -> str:
-        cfg = load_config(sys.argv[1:] if argv is None else argv, default_config)
+    def main() -> str:
+        command = parse_command_line(sys.argv[1:] if argv is None else argv, default_config)
+        cfg = compose_config(command)
+        if command.help:
+            from glm_training.config_help import help_text
+
+            return help_text(cfg, command, Path(sys.argv[0]).name)
+        if command.print_config:
+            from glm_training.config_help import print_config_text
+
+            return print_config_text(cfg, command)
         return f"done: outputs in {trainer_cls(cfg).train()}"
 
-    return report_user_errors(train)
+    return report_user_errors(main)
