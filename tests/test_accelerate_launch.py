@@ -43,6 +43,7 @@ def test_accelerate_launch_trains_like_torchrun(tmp_path):
     assert comparable(rows) == comparable(read_metrics(by_torchrun / "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_a_single_process_accelerate_launch_asked_for_two_is_refused(tmp_path):
     # Without GPUs and without --multi_gpu, accelerate starts one process; it must not train alone.
     launch = [*ACCELERATE, "--num_processes=2", "train_dit.py"]
