@@ -84,9 +84,9 @@ class RewardSet:
 
     A name is a registered reward (`available_rewards()`) or a user's callable as `module:function` (or
     `path/to/file.py:function`), or a name of `objects`: rewards given as Python objects (a function
-    `fn(images, prompts, metadata)` or a `Reward` instance), used as they are. Names, weights and options are
-    all validated before any reward (and so any reward model) is built, so a typo fails at start-up with the
-    available names and the closest match.
+    `fn(images, prompts, metadata)` or a `Reward` instance), reported under that name. Names, weights and
+    options are all validated before any reward (and so any reward model) is built, so a typo fails at
+    start-up with the available names and the closest match.
     """
 
     def __init__(
@@ -127,9 +127,7 @@ class RewardSet:
         self.weights: dict[str, float] = {name: float(weight) for name, weight in weights.items()}
         self.combine_fn = COMBINE_FNS[combine]
         self.rewards: dict[str, Reward] = {
-            name: CallableReward.from_object(objects[name], name)
-            if name in objects
-            else _build(name, options.get(name, {}))
+            name: _wrap(objects[name], name) if name in objects else _build(name, options.get(name, {}))
             for name in self.names
         }
         self._executor: ThreadPoolExecutor | None = None
@@ -271,6 +269,11 @@ def rewards_from_python(
         options={name: o for name, o in options.items() if o},
     )
     return reward_set, recorded
+
+
+def _wrap(obj: Reward | Callable[..., Any], name: str) -> Reward:
+    # A Reward object keeps its own contract (a tensor per batch); a function may return a list or an array.
+    return obj if isinstance(obj, Reward) else CallableReward.from_object(obj, name)
 
 
 def _build(name: str, options: dict[str, Any]) -> Reward:
