@@ -603,6 +603,7 @@ def compose_config(command: CommandLine) -> Any:
     try:
         with initialize_config_dir(config_dir=str(command.config_dir), version_base=None):
             cfg = compose(config_name=command.config_name, overrides=overrides)
+        cfg = _with_schema(cfg, command)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             key = missing[0]
@@ -633,6 +634,23 @@ def compose_config(command: CommandLine) -> Any:
         raise ConfigError("overrides", f"{str(err).splitlines()[0]}") from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _with_schema(cfg: Any, command: CommandLine) -> Any:
+    """A YAML without a schema in its defaults list (e.g. what `--cfg job` printed, or a run's config.yaml)
+    is typed by its `component` key, so it validates like any config instead of passing as a plain dict."""
+    if is_dataclass(OmegaConf.get_type(cfg)):
+        return cfg
+    component = cfg.get("component")
+    schema = {"dit": DiTTrainConfig, "ar": ARTrainConfig}.get(component)
+    if schema is None:
+        raise ConfigError(
+            "defaults",
+            f"{command.config_dir / command.config_name}.yaml names no schema; start it with "
+            "`defaults: [dit_schema, {model: tiny}, _self_]` (ar_schema for the AR trainer) or set "
+            "`component: dit` / `component: ar`.",
+        )
+    return OmegaConf.merge(OmegaConf.structured(schema), cfg)
 
 
 def load_config(

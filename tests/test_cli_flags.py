@@ -129,3 +129,15 @@ def test_printing_flags_are_for_the_entry_points_only():
 def test_a_bad_value_with_cfg_still_exits_2(capsys):
     assert run(DiTTrainer, "t2i_training", ["--cfg", "job", "sampling.height=65"]) == 2
     assert "multiple of 32" in capsys.readouterr().err
+
+
+def test_what_cfg_job_prints_is_a_config_file_of_its_own(capsys, tmp_path):
+    assert run(ARTrainer, "ar_training", ["--cfg", "job", "algo.beta=0.02", "model=glm_image"]) == 0
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    original = load_config(config="ar_training", overrides=["algo.beta=0.02", "model=glm_image"])
+    assert load_config(["--config", str(printed)]) == original  # typed by its `component`, validated
+    assert load_config(["--config", str(printed), "algo.beta=0.5"]).algo.beta == 0.5
+    (tmp_path / "untyped.yaml").write_text("run_name: x\n")
+    with pytest.raises(ConfigError, match="names no schema"):
+        load_config(["--config", str(tmp_path / "untyped.yaml")])
