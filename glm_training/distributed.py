@@ -53,10 +53,10 @@ def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
     env = os.environ if env is None else env
     if _single_process_accelerate_launch(env):
         raise LaunchError(
-            "`accelerate launch` started this script as one process although more were asked for: without "
-            "GPUs it starts several processes only with --multi_gpu (torchrun underneath, gloo on CPU). Run "
-            "`accelerate launch --multi_gpu --num_processes N SCRIPT ...` or `torchrun --nproc_per_node=N "
-            "SCRIPT ...`."
+            "`accelerate launch` started this script as one process although more were asked for: unless "
+            "the machine has several GPUs it starts several processes only with --multi_gpu (torchrun "
+            "underneath; gloo on CPU). Run `accelerate launch --multi_gpu --num_processes N SCRIPT ...` or "
+            "`torchrun --nproc_per_node=N SCRIPT ...`."
         )
     return RankInfo(
         rank=int(env.get("RANK", 0)),
