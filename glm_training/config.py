@@ -349,17 +349,17 @@ class ARSamplingConfig:
 
     height: int = 64
     width: int = 64
-    # The policy being trained is the distribution tokens are sampled from. Unset (null) = what
-    # GlmImagePipeline itself samples with: the AR checkpoint's generation_config, and transformers' defaults
-    # where it is silent (top_k 50); the real checkpoint gives 0.9 / 0.75 / 50. Set a value to override.
+    # The policy trained is the distribution the tokens are sampled from, so temperature / top_p / top_k
+    # unset (null) = what GlmImagePipeline itself samples with: the AR checkpoint's generation_config, and
+    # transformers' defaults where it is silent (real checkpoint and tiny model: 0.9 / 0.75 / 50). The
+    # resolved values are logged at start ("AR sampling: ..."); a value set here overrides.
     temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # 0 = off
-    # Faster generation with the same distribution (tokens and log-probs as the default path, see
-    # tests/test_ar_fast_generation.py): a static KV cache (transformers' cache_implementation="static"),
-    # and torch.compile of the decoding step on top of it (needs static_cache; compiles on first use).
+    top_p: float | None = None  # nucleus sampling threshold (1 = off; null = the pipeline's)
+    top_k: int | None = None  # top-k filter (0 = off; null = the pipeline's, transformers' 50 when unset)
+    # A static KV cache (transformers' cache_implementation="static"): faster generation, the same tokens for
+    # the same seed, log-probs equal up to fp32 rounding (tests/test_ar_logprobs.py).
     static_cache: bool = False
-    compile: bool = False
+    compile: bool = False  # torch.compile of the decoding step (needs static_cache; compiles on first use)
     dit_num_steps: int = 4
     dit_guidance_scale: float = 1.5
     # The DiT noise that renders a group is fixed per group (rewards inside a group differ only through the AR
@@ -400,7 +400,7 @@ class DAPOConfig:
     # token-level ratios; GSPO's sequence-level ratios need far smaller ranges: the paper uses 3e-4 / 4e-4
     # (TRL's GSPO recipe: epsilon=3e-4, epsilon_high=4e-4).
     epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
+    epsilon_high: float = 0.28  # upper clip: 1 + epsilon_high (DAPO's clip-higher 0.28; GSPO: 4e-4)
     # token: one ratio per token (GRPO / DAPO). sequence: GSPO (arXiv 2507.18071; TRL's
     # importance_sampling_level="sequence"), one ratio per sample, the geometric mean of its token ratios.
     importance_sampling_level: str = "token"
@@ -411,7 +411,7 @@ class DAPOConfig:
     num_inner_epochs: int = 1
     num_mini_batches: int = 1
     micro_batch_size: int = 4
-    dynamic_sampling: bool = True
+    dynamic_sampling: bool = True  # DAPO's dynamic sampling: drop flat groups (min_group_std) and resample
     # A group whose reward std (population) is below this counts as flat: dynamic sampling drops it and
     # frac_zero_std_groups counts it. 0 = only exact ties. Continuous rewards (PickScore, HPS, aesthetic)
     # almost never tie, so set it to the reward's noise level there, or nothing is ever dropped and groups of
