@@ -214,7 +214,9 @@ def write_shard(folder: Path, shard: Shard, tokens: torch.Tensor, tag: str = "")
     final = Path(folder) / SHARD_DIR / shard.name
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.{tag or os.getpid()}.tmp")
-    metadata = {"split": shard.split, "rows_per_prompt": str(shard.rows), "texts": json.dumps(shard.texts)}
+    # One key: safetensors writes a metadata map in hash order, and a shard's bytes must not depend on it.
+    info = {"split": shard.split, "rows_per_prompt": shard.rows, "texts": shard.texts}
+    metadata = {"shard": json.dumps(info, sort_keys=True)}
     save_file({TOKENS: tokens.to(torch.int32).contiguous()}, str(tmp), metadata=metadata)
     os.replace(tmp, final)
     return final
