@@ -43,7 +43,8 @@ ar.generation_config.pad_token_id = ar.generation_config.pad_token_id or ar.gene
 tokens = {}
 for i, (text, seed) in enumerate(spec["rows"]):
     prior, _, _ = pipe.generate_prior_tokens(
-        prompt=[text], height=32, width=32, device=torch.device("cpu"), generator=torch.Generator().manual_seed(seed)
+        prompt=[text], height=32, width=32, device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(seed),
     )
     tokens[f"row{i}"] = prior[0].contiguous()
 save_file(tokens, spec["out"] + "/tokens.safetensors")
