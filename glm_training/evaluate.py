@@ -289,6 +289,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
         pipeline = GlmImagePipeline.from_pretrained(
             resolve_model_path(cfg.model.name, cfg.model.tiny_seed), dtype=dtype
         )
+    _apply_chained_weights(pipeline, cfg, [info.component for info in infos] if args.checkpoint else [])
     device = dist.choose_device(0)
     pipeline.to(device)
     pipeline.set_progress_bar_config(disable=True)
@@ -297,6 +298,22 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
     path = write_evaluation(output, step, result, *grid_samples(result, images, cfg.eval.num_grid_images))
     print(json.dumps({"step": step, **eval_scalars(result)}))
     return f"evaluation written to {path}"
+
+
+def _apply_chained_weights(pipeline, cfg: Any, given: list[str]) -> None:
+    """The run's `model.ar_weights` / `model.dit_weights` for the halves no `--checkpoint` supplies.
+
+    A DiT run chained to a trained AR model (and trained on priors cached from it) is evaluated with that AR
+    model: its live tokens are the cached ones, so the numbers equal the training-time evaluation's.
+    """
+    from glm_training.models.frozen_weights import WEIGHT_KEYS, apply_weights_source, resolve_weights_source
+
+    for component in WEIGHT_KEYS:
+        if component in given or component == cfg.component:
+            continue
+        source = resolve_weights_source(cfg.model, component)
+        if source is not None:
+            apply_weights_source(pipeline, source)
 
 
 if __name__ == "__main__":

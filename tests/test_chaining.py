@@ -3,6 +3,7 @@ trainer), from a run, a checkpoint or an export, LoRA or full; checked against e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 
 from glm_training.cli import run
 from glm_training.config import load_config
+from glm_training.evaluate import main as evaluate_main
 from glm_training.export import export, load_pipeline_from_checkpoints
 from glm_training.priors import PriorCache, build_cache, row_seed
 from glm_training.rollout.dit import generate_prior_tokens
@@ -92,8 +94,14 @@ def test_priors_from_an_ar_run_are_the_trained_ar_tokens(tmp_path, kind, request
     # loading, one that names the AR run trains on it.
     base_run = [*dit, f"data.prior_cache={cache_dir}", f"trainer.output_dir={tmp_path / 'a'}"]
     assert run(DiTTrainer, "t2i_training", base_run) == 2
-    chained = [*dit, f"data.prior_cache={cache_dir}", f"model.ar_weights={ar_run}"]
+    chained = [*dit, f"data.prior_cache={cache_dir}", f"model.ar_weights={ar_run}", "eval.every_n_steps=1"]
     assert run(DiTTrainer, "t2i_training", [*chained, f"trainer.output_dir={tmp_path / 'b'}"]) == 0
+    # Its evaluation ran on the cached held-out tokens; a standalone evaluation of the checkpoint samples
+    # them live with model.ar_weights, and gets the same numbers.
+    assert evaluate_main(["--checkpoint", str(tmp_path / "b"), "--output", str(tmp_path / "e")]) == 0
+    during = json.loads((tmp_path / "b" / "eval" / "000001.json").read_text())
+    standalone = json.loads((tmp_path / "e" / "000001.json").read_text())
+    assert during["rewards"] == standalone["rewards"] and during["prompts"] == standalone["prompts"]
 
 
 def test_live_dit_run_samples_with_the_trained_ar_and_ar_run_renders_with_the_trained_dit(
