@@ -432,12 +432,7 @@ class PriorCache:
                 f"{s['ar_fingerprint'][:12]}) than this run's model.name / model.ar_weights (fingerprint "
                 f"{fingerprint[:12]}); {rebuild}, or set model.ar_weights to the AR run it was made with."
             )
-        missing = [t for t in train_texts if t not in self.index["train"]]
-        if missing:
-            raise PriorCacheError(
-                f"{where} lacks {len(missing)} of the {len(train_texts)} training prompts of "
-                f"data.prompt_file, e.g. {missing[0]!r}; {rebuild}."
-            )
+        self._check_prompts("train", train_texts, "training prompts of data.prompt_file", rebuild)
         if eval_sampling is not None:
             ev = s["eval"]
             got = {"height": eval_sampling.height, "width": eval_sampling.width, "seed": eval_sampling.seed}
@@ -451,12 +446,15 @@ class PriorCache:
                     f"{where} holds evaluation priors made with other settings ({'; '.join(diff)}); "
                     f"{rebuild}."
                 )
-            missing = [t for t in eval_texts if t not in self.index["eval"]]
-            if missing:
-                raise PriorCacheError(
-                    f"{where} lacks {len(missing)} of the {len(eval_texts)} evaluation prompts, e.g. "
-                    f"{missing[0]!r}; {rebuild}."
-                )
+            self._check_prompts("eval", eval_texts, "evaluation prompts", rebuild)
+
+    def _check_prompts(self, split: str, texts: list[str], what: str, remedy: str) -> None:
+        missing = [t for t in texts if t not in self.index[split]]
+        if missing:
+            raise PriorCacheError(
+                f"data.prior_cache='{self.folder}' lacks {len(missing)} of the {len(texts)} {what}, e.g. "
+                f"{missing[0]!r}; {remedy}."
+            )
 
     def _rows(self, split: str, text: str) -> tuple[Any, int, int]:
         entry = self.index[split][text]

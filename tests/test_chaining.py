@@ -90,6 +90,8 @@ def test_priors_from_an_ar_run_are_the_trained_ar_tokens(tmp_path, kind, request
         assert torch.equal(cache.tokens("train", text, 0), live), text
     assert cache.settings["ar_weights"]["weights"].startswith("model.ar_weights: ar checkpoint step 1")
 
+    if kind == "lora":
+        return  # the runs below read the cache the same way whatever kind of checkpoint made it
     # The cache's fingerprint is the trained AR's: a DiT run that names the base AR is refused before
     # loading, one that names the AR run trains on it.
     base_run = [*dit, f"data.prior_cache={cache_dir}", f"trainer.output_dir={tmp_path / 'a'}"]
