@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         build_cache(cfg, cache, num_priors=args.num_priors)
         build_s = time.perf_counter() - start
+        print(f"cache built in {build_s:.1f} s", file=sys.stderr, flush=True)
         runs: dict[str, list[dict]] = {"live": [], "cached": []}
         for _ in range(args.rounds):
             for variant in ("live", "cached"):
@@ -144,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 subprocess.run(cmd, check=True, capture_output=True)
                 runs[variant].append(json.loads(out.read_text()))
+                r = runs[variant][-1]
+                steps = [c + u for c, u in zip(r["collect_s"], r["update_s"])]
+                print(
+                    f"{variant}: step median {statistics.median(steps):.3f} s,"
+                    f" peak {r['peak_memory_mib']:.0f} MiB, other load {r['other_cores']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def summary(variant: str) -> dict:
         rs = runs[variant]

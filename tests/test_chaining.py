@@ -4,6 +4,7 @@ trainer), from a run, a checkpoint or an export, LoRA or full; checked against e
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -147,15 +148,17 @@ def test_live_dit_run_samples_with_the_trained_ar_and_ar_run_renders_with_the_tr
             ["model.ar_weights=RUN_AR", "model.tiny_seed=1"],
             "trained from base model",
         ),
+        (ARTrainer, "ar_training", ["data.prior_cache=NOWHERE"], "'data.prior_cache': is for train_dit.py"),
     ],
-    ids=["trained-half", "dit-as-ar", "ar-as-dit", "missing", "other-base"],
+    ids=["trained-half", "dit-as-ar", "ar-as-dit", "missing", "other-base", "cache-for-ar"],
 )
 def test_weights_that_do_not_fit_are_refused_before_loading(
-    tmp_path, ar_full_run, dit_full_run, trainer, config, args, needle, capsys
+    tmp_path, ar_full_run, dit_full_run, trainer, config, args, needle, capsys, caplog
 ):
     paths = {"RUN_AR": str(ar_full_run), "RUN_DIT": str(dit_full_run), "NOWHERE": str(tmp_path / "none")}
     args = [a.split("=")[0] + "=" + paths.get(a.split("=")[1], a.split("=")[1]) for a in args]
     base = DIT if trainer is DiTTrainer else AR
-    assert run(trainer, config, [*base, *args, f"trainer.output_dir={tmp_path / 'out'}"]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and "[load] from_pretrained" not in err
+    with caplog.at_level(logging.INFO):
+        assert run(trainer, config, [*base, *args, f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    assert needle in capsys.readouterr().err
+    assert not [r for r in caplog.records if "[load] from_pretrained" in r.getMessage()]

@@ -39,7 +39,7 @@ from glm_training.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from glm_training.config import config_to_yaml
+from glm_training.config import ConfigError, config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
 from glm_training.evaluate import (
     eval_sampling,
@@ -312,6 +312,11 @@ class RewardTrainer:
 
     def _components_not_loaded(self) -> tuple[tuple[str, ...], str]:
         """Frozen pipeline components this run never uses, so never loads, and why (for the load log)."""
+        if self.cfg.data.prior_cache:
+            raise ConfigError(
+                "data.prior_cache",
+                f"is for train_dit.py; the {self.component} trainer samples its own tokens.",
+            )
         return (), ""
 
     def _eval_prior_tokens(self):
