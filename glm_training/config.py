@@ -101,6 +101,12 @@ class ModelConfig:
     stage_timeout_s: float = 1800.0
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Chaining the decoupled stages (README "Decoupled recipe"): trained weights of the *frozen* half, from
+    # an AR / DiT run folder, a checkpoint step folder (LoRA or full) or an export folder. ar_weights: the
+    # AR model the DiT trainer and `python -m glm_training.priors` sample prior tokens with; dit_weights:
+    # the DiT the AR trainer renders with. Empty = the base model's own weights.
+    ar_weights: str = ""
+    dit_weights: str = ""
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model.name", "give 'tiny', a hub id or a local folder.")
@@ -125,6 +131,10 @@ class DataConfig:
     # Groups (prompts) per step over all ranks. The groups x generations samples are split evenly over the
     # ranks, so a group may straddle ranks (its statistics are gathered).
     num_groups_per_step: int = 4
+    # DiT trainer only: a folder written by `python -m glm_training.priors`. Each group's prior tokens then
+    # come from the cache (chosen from (trainer.seed, step, group, prompt)) and the AR model is never
+    # loaded. Empty = the AR model samples them live at every step.
+    prior_cache: str = ""
 
     def __post_init__(self) -> None:
         _check(self.num_generations >= 2, "data.num_generations", "group-relative advantages need >= 2.")

@@ -40,7 +40,7 @@ from glm_training.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from glm_training.config import config_to_yaml
+from glm_training.config import ConfigError, config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
 from glm_training.evaluate import (
     eval_sampling,
@@ -53,6 +53,7 @@ from glm_training.evaluate import (
 from glm_training.image_grid import caption
 from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
+from glm_training.models.frozen_weights import apply_weights_source, frozen_weight_sources
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
     GLMImageWrapper,
@@ -307,6 +308,9 @@ class RewardTrainer:
     def _build_model(self) -> GLMImageWrapper:
         """Load GLM-Image and place it on this process's device(s), following the plan (never by luck)."""
         m = self.cfg.model
+        skip, skip_reason = self._components_not_loaded()
+        # model.ar_weights / model.dit_weights (chaining the stages) are checked before anything loads.
+        sources = frozen_weight_sources(m, self.component, skip)
         # Rank 0 first: it builds the tiny model (transformers writes weights only on rank 0) or fetches
         # the checkpoint; the other ranks then find it complete. Bounded by the stage timeout.
         with self.accelerator.main_process_first():
@@ -322,9 +326,26 @@ class RewardTrainer:
             reason=self.distributed_reason,
             device=dist.choose_device(self.accelerator.local_process_index),
             model_path=path,
+            skip_components=skip,
+            skip_reason=skip_reason,
         )
+        for source in sources:
+            apply_weights_source(wrapper.pipeline, source)
         self.device = next(wrapper.trainable.parameters()).device
         return wrapper
+
+    def _components_not_loaded(self) -> tuple[tuple[str, ...], str]:
+        """Frozen pipeline components this run never uses, so never loads, and why (for the load log)."""
+        if self.cfg.data.prior_cache:
+            raise ConfigError(
+                "data.prior_cache",
+                f"is for train_dit.py; the {self.component} trainer samples its own tokens.",
+            )
+        return (), ""
+
+    def _eval_prior_tokens(self):
+        """None (the AR model samples the held-out prompts' tokens), or a function texts -> [B, L] tokens."""
+        return None
 
     def _setup_trainable(self, module: nn.Module) -> nn.Module:
         """LoRA adapters (peft, injected in place so the pipeline keeps its classes) or full fine-tuning."""
@@ -527,6 +548,7 @@ class RewardTrainer:
                 rank=self.rank,
                 world_size=self.world_size,
                 num_grid_images=self.cfg.eval.num_grid_images,
+                prior_tokens=self._eval_prior_tokens(),
             )
         scalars = eval_scalars(result)
         if self.is_main:
