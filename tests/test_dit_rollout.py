@@ -140,7 +140,7 @@ def _trainer(tmp_path, *overrides: str) -> DiTTrainer:
     ids=["full", "lora+kl", "cps-window"],
 )
 def test_first_ratio_after_a_rollout_is_exactly_one(tmp_path, overrides):
-    trainer = _trainer(tmp_path, *overrides)
+    trainer = _trainer(tmp_path, "algo.num_mini_batches=2", *overrides)
     batch = trainer._collect(0)
     for traj in batch.rollout.trajectories:
         for j in range(len(traj.step_indices)):
@@ -156,7 +156,7 @@ def test_first_ratio_after_a_rollout_is_exactly_one(tmp_path, overrides):
 
 
 def test_the_second_optimizer_step_is_off_policy_and_the_clip_acts(tmp_path):
-    trainer = _trainer(tmp_path)
+    trainer = _trainer(tmp_path, "algo.num_mini_batches=2")  # Flow-GRPO's (the tiny YAML takes 1)
     batch = trainer._collect(0)
     stats = trainer._update(batch, 0)
     first, second = trainer.mini_batch_stats
