@@ -41,7 +41,7 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     assert METRIC_KEYS <= set(rows[0])
     rewards = np.array([r["reward_mean"] for r in rows])
     first, last = rewards[:10].mean(), rewards[-10:].mean()
-    # Per-step noise of the mean reward is ~0.02; the default run gains ~0.4 (docs/benchmarks.md).
+    # Per-step noise of the mean reward is ~0.03; the default run gains ~0.3-0.4 (docs/benchmarks.md).
     assert last - first > 0.15, rewards.round(3).tolist()
     assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "config.yaml").is_file()
 
@@ -50,7 +50,7 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     assert sorted(evals) == [0, 20, 40, 60]
     assert all((tmp_path / "eval" / f"{s:06d}.png").is_file() for s in evals)
     before, after = evals[0]["reward_mean"], evals[60]["reward_mean"]
-    assert after - before > 0.1, {s: e["reward_mean"] for s, e in evals.items()}  # measured: +0.24
+    assert after - before > 0.1, {s: e["reward_mean"] for s, e in evals.items()}  # measured: +0.38
     assert rows[19]["eval/reward_mean"] == pytest.approx(evals[20]["reward_mean"])
 
     # TensorBoard (on by default) holds the scalars of metrics.jsonl and the image grids.
