@@ -484,6 +484,14 @@ class DiTTrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
+        # GRPO-Guard's re-centring assumes Gaussian log-probs; Flow-GRPO's CPS log-prob has no 1 / (2 std^2).
+        _check(
+            self.algo.ratio_norm != "grpo_guard"
+            or self.sampling.sde_type == "flow_sde"
+            or self.sampling.cps_log_prob == "gaussian",
+            "algo.ratio_norm",
+            "grpo_guard needs Gaussian log-probs; with sde_type=cps set sampling.cps_log_prob=gaussian.",
+        )
 
 
 @dataclass

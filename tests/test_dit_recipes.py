@@ -55,6 +55,7 @@ def test_the_defaults_are_flow_grpos(tmp_path):
         (["algo.kl_type=k3"], "algo.kl_type"),
         (["algo.ratio_norm=guard"], "algo.ratio_norm"),
         (["sampling.cps_log_prob=full"], "sampling.cps_log_prob"),
+        (["algo.ratio_norm=grpo_guard", "sampling.sde_type=cps"], "algo.ratio_norm"),
     ],
 )
 def test_bad_recipe_keys_are_named(tmp_path, args, key):

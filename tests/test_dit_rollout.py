@@ -136,8 +136,14 @@ def _trainer(tmp_path, *overrides: str) -> DiTTrainer:
         (),
         ("model.lora.enabled=true", "algo.beta=0.04"),
         ("sampling.sde_type=cps", "sampling.sde_window_start=1", "sampling.sde_window_end=3"),
+        (
+            "algo.ratio_norm=grpo_guard",
+            "algo.beta=0.04",
+            "algo.kl_type=velocity",
+            "sampling.batched_cfg=true",
+        ),
     ],
-    ids=["full", "lora+kl", "cps-window"],
+    ids=["full", "lora+kl", "cps-window", "guard+velocity-kl+batched-cfg"],
 )
 def test_first_ratio_after_a_rollout_is_exactly_one(tmp_path, overrides):
     trainer = _trainer(tmp_path, "algo.num_mini_batches=2", *overrides)
