@@ -205,15 +205,14 @@ def prompts_for(batch: int) -> list[str]:
 # 1. Pipeline denoising vs rollout
 
 
-def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+def denoising_inputs(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """(pipeline, its DiT, guidance inputs, initial latents) for `args.batch` bundled prompts."""
     from diffusers import GlmImagePipeline
 
-    path = resolve_model_path(args.model)
-    pipe = GlmImagePipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = GlmImagePipeline.from_pretrained(resolve_model_path(args.model), torch_dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     transformer = pipe.transformer.eval()
-
     prompts = prompts_for(args.batch)
     prior = generate_prior_tokens(pipe, prompts, args.height, args.width, seed=args.seed)
     cond = build_guidance_inputs(pipe, prompts, prior, args.height, args.width, args.guidance, device, dtype)
@@ -224,6 +223,12 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
         args.width // pipe.vae_scale_factor,
     )
     latents0 = torch.randn(latent_shape, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    return pipe, transformer, cond, latents0
+
+
+def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+
+    pipe, transformer, cond, latents0 = denoising_inputs(args, device, dtype)
 
     def run_pipeline() -> torch.Tensor:
         return pipe(
@@ -361,21 +366,7 @@ def bench_trainer(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def bench_batched_cfg(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
-    from diffusers import GlmImagePipeline
-
-    pipe = GlmImagePipeline.from_pretrained(resolve_model_path(args.model), torch_dtype=dtype)
-    pipe.to(device)
-    transformer = pipe.transformer.eval()
-    prompts = prompts_for(args.batch)
-    prior = generate_prior_tokens(pipe, prompts, args.height, args.width, seed=args.seed)
-    cond = build_guidance_inputs(pipe, prompts, prior, args.height, args.width, args.guidance, device, dtype)
-    shape = (
-        args.batch,
-        transformer.config.in_channels,
-        args.height // pipe.vae_scale_factor,
-        args.width // pipe.vae_scale_factor,
-    )
-    latents0 = torch.randn(shape, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    pipe, transformer, cond, latents0 = denoising_inputs(args, device, dtype)
     timesteps, sigmas = glm_image_schedule(pipe, args.steps, args.height, args.width)
 
     def rollout(batched: bool, noise_level: float = NOISE_LEVEL):
