@@ -288,7 +288,7 @@ class TrainerConfig:
 
 @dataclass
 class DiTSamplingConfig:
-    """The DiT rollout (Flow-GRPO SDE sampling)."""
+    """The DiT rollout (Flow-GRPO SDE sampling). Defaults follow Flow-GRPO (`yifan123/flow_grpo`)."""
 
     height: int = 64
     width: int = 64
@@ -296,10 +296,27 @@ class DiTSamplingConfig:
     guidance_scale: float = 1.5
     noise_level: float = 0.7
     sde_type: str = "flow_sde"  # flow_sde | cps
-    # Steps [sde_window_start, sde_window_end) sample with the SDE and are trained on; the rest are
-    # deterministic ODE steps (MixGRPO / Flow-GRPO-Fast). End -1 = through the last step.
+    # CPS log-prob: "flow_grpo" = Flow-GRPO's -mean((x - m)^2) (pair with clip_range ~1e-5, as its Fast
+    # configs do); "gaussian" = the full Gaussian log-density. The flow SDE always uses the Gaussian one.
+    cps_log_prob: str = "flow_grpo"
+    # Fixed window: steps [sde_window_start, sde_window_end) sample with the SDE and train; the rest are
+    # deterministic ODE steps. End -1 = num_steps - 1: the last step is deterministic, as in Flow-GRPO
+    # (its window is (0, num_steps - 1)); set it to num_steps to make the last step stochastic too.
     sde_window_start: int = 0
     sde_window_end: int = -1
+    # Flow-GRPO-Fast / MixGRPO: sde_window_size > 0 draws a window of that many SDE steps for every rollout
+    # inside sde_window_range = [lo, hi) (hi -1 = num_steps - 1), replacing start/end above. "random": a
+    # start uniform on [lo, hi - size], a function of (trainer.seed, step); "progressive": MixGRPO's sliding
+    # window, moving sde_window_stride steps later every sde_window_every training steps.
+    sde_window_size: int = 0
+    sde_window_range: list[int] = field(default_factory=lambda: [0, -1])
+    sde_window_schedule: str = "random"  # random | progressive
+    sde_window_stride: int = 1
+    sde_window_every: int = 25
+    # Conditional and unconditional CFG passes in one DiT forward of 2B samples (rollout and training). Off
+    # by default: GLM-Image's DiT takes no text mask, so padding the empty prompt's glyph embeddings to the
+    # prompt's length changes the unconditional prediction slightly (docs/benchmarks.md).
+    batched_cfg: bool = False
     micro_batch_size: int = 4  # images per DiT forward pass during the rollout
 
     def __post_init__(self) -> None:
@@ -310,46 +327,89 @@ class DiTSamplingConfig:
                 f"sampling.{key}",
                 f"GLM-Image needs a multiple of 32, got {value}; try {max(32, round(value / 32) * 32)}.",
             )
-        _check(self.num_steps >= 1, "sampling.num_steps", "must be >= 1.")
+        _check(self.num_steps >= 2, "sampling.num_steps", "must be >= 2 (the last step is deterministic).")
         _check(self.guidance_scale >= 0, "sampling.guidance_scale", "must be >= 0 (<= 1 disables CFG).")
         _check(self.noise_level >= 0, "sampling.noise_level", "must be >= 0.")
         _check_choice(self.sde_type, ("flow_sde", "cps"), "sampling.sde_type")
-        end = self.window_end()
-        _check(
-            0 <= self.sde_window_start < end <= self.num_steps,
-            "sampling.sde_window_start",
-            f"the SDE window [{self.sde_window_start}, {end}) must lie inside [0, {self.num_steps}).",
-        )
+        _check_choice(self.cps_log_prob, ("flow_grpo", "gaussian"), "sampling.cps_log_prob")
+        _check_choice(self.sde_window_schedule, ("random", "progressive"), "sampling.sde_window_schedule")
+        _check(self.sde_window_size >= 0, "sampling.sde_window_size", "must be >= 0 (0 = fixed window).")
+        _check(self.sde_window_stride >= 1, "sampling.sde_window_stride", "must be >= 1.")
+        _check(self.sde_window_every >= 1, "sampling.sde_window_every", "must be >= 1.")
+        if self.sde_window_size:
+            _check(
+                len(self.sde_window_range) == 2,
+                "sampling.sde_window_range",
+                f"must be [lo, hi]; got {list(self.sde_window_range)}.",
+            )
+            lo, hi = self.window_range()
+            _check(
+                0 <= lo and lo + self.sde_window_size <= hi <= self.num_steps,
+                "sampling.sde_window_range",
+                f"a window of {self.sde_window_size} steps must fit in [lo, hi) = [{lo}, {hi}) inside "
+                f"[0, {self.num_steps}); widen the range or shrink sampling.sde_window_size.",
+            )
+        else:
+            end = self.window_end()
+            _check(
+                0 <= self.sde_window_start < end <= self.num_steps,
+                "sampling.sde_window_start",
+                f"the SDE window [{self.sde_window_start}, {end}) must lie inside [0, {self.num_steps}).",
+            )
         _check(self.micro_batch_size >= 1, "sampling.micro_batch_size", "must be >= 1.")
 
     def window_end(self) -> int:
-        return self.num_steps if self.sde_window_end < 0 else self.sde_window_end
+        return self.num_steps - 1 if self.sde_window_end < 0 else self.sde_window_end
+
+    def window_range(self) -> tuple[int, int]:
+        lo, hi = (int(x) for x in self.sde_window_range)
+        return lo, self.num_steps - 1 if hi < 0 else hi
 
 
 @dataclass
 class FlowGRPOConfig:
-    """Flow-GRPO loss settings. Log-probs are means over latent elements, hence the tiny clip range."""
+    """Flow-GRPO loss settings; the defaults are Flow-GRPO's (`scripts/train_sd3.py`, `config/grpo.py`).
 
-    beta: float = 0.0  # KL coefficient (Flow-GRPO: 0.04 GenEval/OCR, 0.01 PickScore)
+    Log-probs are means over latent elements, hence the tiny clip range.
+    """
+
+    # KL coefficient. With kl_type=flow_grpo Flow-GRPO's values mean the same here: 0.04 (GenEval / OCR),
+    # 0.01 (PickScore), 0 (its Fast recipes).
+    beta: float = 0.0
+    # flow_grpo: mean(dmu^2) / (2 std_dev_t^2), Flow-GRPO's (no -dt); exact: the transitions' Gaussian KL
+    # (= flow_grpo / -dt for the flow SDE, 4-30x stronger on a 10-step schedule); velocity: mean(dv^2).
+    kl_type: str = "flow_grpo"
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
-    scale_rewards: str = "group"  # group | batch | none
-    timestep_fraction: float = 0.99  # train on this fraction of the SDE steps
+    # batch: (r - group mean) / (std of all rewards + 1e-4), Flow-GRPO's shipped `sample.global_std=True`;
+    # group: per-group std; none: centred only.
+    scale_rewards: str = "batch"
+    # Samples with advantage exactly 0 (flat groups) leave the loss, KL included, as Flow-GRPO filters
+    # them; the fraction is logged as frac_zero_advantage.
+    drop_zero_advantage: bool = True
+    # The first int(sampling.num_steps * timestep_fraction) SDE steps train (Flow-GRPO's rule); 1.0 and
+    # Flow-GRPO's 0.99 both train every SDE step when the last step is deterministic.
+    timestep_fraction: float = 1.0
     num_inner_epochs: int = 1
-    # Optimizer steps per rollout (1 = fully on-policy). The training passes reuse the rollout's micro-batches
-    # (sampling.micro_batch_size), so the recomputed log-probs equal the recorded ones bit for bit.
-    num_mini_batches: int = 1
+    # Optimizer steps per rollout. Flow-GRPO takes 2 (gradient_accumulation_steps = num_batches_per_epoch
+    # // 2): the first is on-policy (ratio exactly 1), the second off-policy, where the clip can act. Needs
+    # at least that many rollout micro-batches (sampling.micro_batch_size); fewer give fewer steps.
+    num_mini_batches: int = 2
+    # none: exp(log_prob - old); grpo_guard: GRPO-Guard's centred, std-reweighted ratio (arXiv 2510.22319).
+    ratio_norm: str = "none"
     ema: bool = False
     ema_decay: float = 0.9
 
     def __post_init__(self) -> None:
         _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check_choice(self.kl_type, ("flow_grpo", "exact", "velocity"), "algo.kl_type")
         _check(self.clip_range > 0, "algo.clip_range", "must be > 0.")
         _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
         _check_choice(self.scale_rewards, ("group", "batch", "none"), "algo.scale_rewards")
         _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
         _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
         _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check_choice(self.ratio_norm, ("none", "grpo_guard"), "algo.ratio_norm")
         _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
 
 
@@ -468,6 +528,14 @@ class DiTTrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
+        # GRPO-Guard's re-centring assumes Gaussian log-probs; Flow-GRPO's CPS log-prob has no 1 / (2 std^2).
+        _check(
+            self.algo.ratio_norm != "grpo_guard"
+            or self.sampling.sde_type == "flow_sde"
+            or self.sampling.cps_log_prob == "gaussian",
+            "algo.ratio_norm",
+            "grpo_guard needs Gaussian log-probs; with sde_type=cps set sampling.cps_log_prob=gaussian.",
+        )
 
 
 @dataclass
