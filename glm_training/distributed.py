@@ -14,6 +14,7 @@ Two rules from the project's seed bugs live here:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -217,3 +218,80 @@ def shard_bounds(total: int, rank: int, num_ranks: int) -> tuple[int, int]:
 
 def flatten(nested: Sequence[Sequence[T]]) -> list[T]:
     return [item for part in nested for item in part]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Failure detection: which phase a rank is in, bounded collectives, and one message naming both.
+#
+# A rank that dies (its sockets close) makes gloo raise at once in the survivors; one that stalls (SIGSTOP, a
+# hung kernel) is caught by the process group's own timeout, which torch enforces in every collective,
+# including DDP's gradient all-reduce. This module only adds what torch cannot know: the training step and
+# the phase the survivor was in when the collective failed.
+
+PHASES = ("start-up", "rollout", "reward gather", "update", "checkpoint", "evaluation", "shutdown")
+_current = {"phase": "start-up", "step": None}
+
+
+class CollectiveFailure(RuntimeError):
+    """Another rank died or stopped answering; the message names this rank, the step and the phase."""
+
+
+@contextlib.contextmanager
+def phase(name: str, step: int | None = None):
+    """Mark what this rank is doing (one of `PHASES`) so a failed collective can say so."""
+    if name not in PHASES:
+        raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
+    previous = dict(_current)
+    _current.update(phase=name, step=step if step is not None else previous["step"])
+    try:
+        yield
+    finally:
+        _current.update(previous)
+
+
+def current_phase() -> tuple[str, int | None]:
+    return _current["phase"], _current["step"]
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A collective that failed because a peer died or timed out (gloo and NCCL raise various types)."""
+    if isinstance(err, CollectiveFailure):
+        return True
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        needle in text for needle in ("gloo", "nccl", "connection closed by peer", "timed out waiting")
+    )
+
+
+def describe_failure(err: BaseException, timeout_s: float | None) -> str:
+    """One line: this rank, the step and phase it was in, what torch reported, and the bound that applied."""
+    name, step = current_phase()
+    rank = dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+    where = f"step {step}" if step is not None else "start-up"
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    bound = f" (bound: trainer.dist_timeout_s={timeout_s:g})" if timeout_s else ""
+    return (
+        f"rank {rank}: a collective failed at {where}, phase '{name}': another rank died or stopped "
+        f"answering{bound}. torch reported: {cause}. The launcher's summary names the rank that exited first."
+    )
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """Bound every later collective (ours and DDP's) by `timeout_s`; the process group stays the same.
+
+    The process group starts with the loading bound (rank 0 may download a model while the others wait at a
+    barrier); once training runs, a step's collectives should fail within minutes when a peer is gone.
+    """
+    if not is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank: the one point where ranks agree to skip or stop."""
+    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0]), op="max").item())

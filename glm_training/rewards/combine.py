@@ -31,6 +31,7 @@ from PIL import Image
 
 from glm_training.rewards.callable_reward import CallableReward, is_callable_target
 from glm_training.rewards.registry import Reward, build_reward, check_reward_options
+from glm_training.rewards.retry import FailurePolicy, RewardFailed, call_with_retries, is_retryable
 
 Scores = dict[str, torch.Tensor]  # reward name -> raw scores [N], float32 on the CPU
 
@@ -109,6 +110,9 @@ class RewardSet:
         self.combine_fn = COMBINE_FNS[combine]
         self.rewards: dict[str, Reward] = {name: _build(name, options.get(name, {})) for name in self.names}
         self._executor: ThreadPoolExecutor | None = None
+        # Retries, failures and non-finite scores (see `rewards/retry.py`); the trainer sets the policy.
+        self.policy = FailurePolicy()
+        self.failures: list[str] = []  # failed rewards since the trainer last cleared it
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         """Run every reward's prompt check (ValueError naming the prompt and the fix)."""
@@ -123,10 +127,22 @@ class RewardSet:
             raise ValueError(
                 f"got {num_images} images, {len(prompts)} prompts and {len(metadata)} metadata entries"
             )
-        return {
-            name: _validated(name, reward(images, prompts, metadata), prompts)
-            for name, reward in self.rewards.items()
-        }
+        scores: Scores = {}
+        for name, reward in self.rewards.items():
+            try:
+                raw = call_with_retries(
+                    lambda r=reward: r(images, prompts, metadata),
+                    name=name,
+                    retryable=is_retryable(reward),
+                    policy=self.policy,
+                )
+            except RewardFailed as err:
+                # NaN instead of raising: every rank still runs the step's collectives, then all agree.
+                self.failures.append(str(err))
+                scores[name] = torch.full((num_images,), float("nan"))
+                continue
+            scores[name] = _validated(name, raw, prompts, self.policy.on_nonfinite == "drop")
+        return scores
 
     def combine(self, parts: Scores, num_generations: int) -> torch.Tensor:
         """The total [N] of a whole step's gathered scores (group-major, `num_generations` per group)."""
@@ -191,7 +207,7 @@ def _build(name: str, options: dict[str, Any]) -> Reward:
     return build_reward(name, **options)
 
 
-def _validated(name: str, scores_n: Any, prompts: list[str]) -> torch.Tensor:
+def _validated(name: str, scores_n: Any, prompts: list[str], allow_nonfinite: bool = False) -> torch.Tensor:
     num_images = len(prompts)
     if not isinstance(scores_n, torch.Tensor):
         raise TypeError(f"reward {name!r} returned {type(scores_n).__name__}, expected a torch.Tensor")
@@ -202,10 +218,11 @@ def _validated(name: str, scores_n: Any, prompts: list[str]) -> torch.Tensor:
         )
     scores_n = scores_n.detach().to(device="cpu", dtype=torch.float32)
     bad = ~torch.isfinite(scores_n)
-    if bad.any():
+    if bad.any() and not allow_nonfinite:
         indices = bad.nonzero().flatten().tolist()
         raise ValueError(
             f"reward {name!r} returned non-finite scores at indices {indices} "
-            f"(prompts {[prompts[i] for i in indices[:3]]})"
+            f"(prompts {[prompts[i] for i in indices[:3]]}); fix the reward, or set "
+            "reward.on_nonfinite=drop to give those samples' groups zero advantage"
         )
     return scores_n

@@ -1,0 +1,81 @@
+"""Reward failures: retries with exponential back-off, then skip the step or stop the run.
+
+A reward that declares itself retryable (`Reward.retryable = True`: the remote client, model scorers whose
+failures are transient, such as a CUDA error or a restarting server) is called again after
+`backoff_s * 2**k` seconds before retry k+1, up to `reward.max_retries` retries. When every attempt fails,
+`RewardSet` records the failure and hands back NaN scores for the chunk instead of raising, so every rank
+still runs the same collectives; the training loop then asks all ranks once per step whether any reward
+failed (`distributed.any_rank`) and, by `reward.on_failure`, skips the step's update on every rank
+(`skip`, counted as `skipped_reward_failure`) or stops every rank with `RewardFailed` (`error`).
+
+A reward that is not retryable (the built-in pixel rewards, a user's function) fails the run at once, as a
+bug in it would fail again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from glm_training.errors import UserError
+
+logger = logging.getLogger("glm_training")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """`reward.max_retries`, `reward.retry_backoff_s`, `reward.on_failure`, `reward.on_nonfinite`."""
+
+    max_retries: int = 0
+    backoff_s: float = 1.0
+    on_failure: str = "error"  # error | skip
+    on_nonfinite: str = "error"  # error | drop
+
+
+class RewardFailed(UserError, RuntimeError):
+    """A retryable reward failed on every attempt (and `reward.on_failure=error`, or nothing to skip to)."""
+
+
+def is_retryable(reward: object) -> bool:
+    return bool(getattr(reward, "retryable", False))
+
+
+def call_with_retries(
+    fn: Callable[[], T],
+    *,
+    name: str,
+    retryable: bool,
+    policy: FailurePolicy,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """`fn()`, retried `policy.max_retries` times with back-off if `retryable`; `RewardFailed` at the end."""
+    num_attempts = 1 + (policy.max_retries if retryable else 0)
+    for attempt in range(num_attempts):
+        try:
+            return fn()
+        except Exception as err:
+            if not retryable:
+                raise
+            if attempt + 1 == num_attempts:
+                raise RewardFailed(
+                    f"reward {name!r} failed {num_attempts} time(s) (1 + reward.max_retries="
+                    f"{policy.max_retries}); last error: {type(err).__name__}: {err}. Fix the scorer, raise "
+                    "reward.max_retries, or set reward.on_failure=skip to train on through its outages."
+                ) from err
+            wait = policy.backoff_s * 2**attempt
+            logger.warning(
+                "reward %r failed (attempt %d/%d: %s: %s); retrying in %.2f s",
+                name,
+                attempt + 1,
+                num_attempts,
+                type(err).__name__,
+                err,
+                wait,
+            )
+            sleep(wait)
+    raise AssertionError("unreachable")
