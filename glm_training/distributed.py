@@ -243,10 +243,9 @@ def phase(name: str, step: int | None = None):
         raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
     previous = dict(_current)
     _current.update(phase=name, step=step if step is not None else previous["step"])
-    try:
-        yield
-    finally:
-        _current.update(previous)
+    yield
+    # Not in a `finally`: after a failure the phase stays what it was, for the message that names it.
+    _current.update(previous)
 
 
 def current_phase() -> tuple[str, int | None]:
@@ -275,7 +274,7 @@ def describe_failure(err: BaseException, timeout_s: float | None) -> str:
     bound = f" (bound: trainer.dist_timeout_s={timeout_s:g})" if timeout_s else ""
     return (
         f"rank {rank}: a collective failed at {where}, phase '{name}': another rank died or stopped "
-        f"answering{bound}. torch reported: {cause}. The launcher's summary names the rank that exited first."
+        f"answering{bound}. torch reported: {cause}. If a rank died, the launcher's summary names it."
     )
 
 
