@@ -74,7 +74,15 @@ def test_sigterm_checkpoints_the_step_reached_and_resume_is_exact(tmp_path, runs
 @pytest.mark.slow
 def test_sigusr1_asks_to_stop_and_a_second_signal_exits_at_once(tmp_path, runs):
     job = Run(
-        [PYTHON, "train_dit.py", *DIT_SMALL, "trainer.num_steps=50", f"trainer.output_dir={tmp_path}"],
+        [
+            PYTHON,
+            "train_dit.py",
+            *DIT_SMALL,
+            "trainer.num_steps=50",
+            f"trainer.output_dir={tmp_path}",
+            # A slow reward: the second signal surely comes while the first step is still running.
+            "reward.names=[tests/user_rewards/faults.py:slow_brightness]",
+        ],
         tmp_path / "run.log",
     )
     runs.append(job)
