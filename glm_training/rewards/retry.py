@@ -42,7 +42,10 @@ class RewardFailed(UserError, RuntimeError):
 
 
 def is_retryable(reward: object) -> bool:
-    return bool(getattr(reward, "retryable", False))
+    """`reward.retryable`, or that of the user's `Reward` subclass a `CallableReward` wraps (`fn`)."""
+    return bool(
+        getattr(reward, "retryable", False) or getattr(getattr(reward, "fn", None), "retryable", False)
+    )
 
 
 def call_with_retries(

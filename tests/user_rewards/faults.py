@@ -8,6 +8,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
+
+from glm_training.rewards.registry import Reward
 
 
 def _brightness(images) -> list[float]:
@@ -25,3 +28,22 @@ def nan_for_first(images, prompts, metadata):
     scores = _brightness(images)
     scores[0] = float("nan")
     return scores
+
+
+class FailsOnCalls(Reward):
+    """A retryable scorer (like a reward model on a GPU) that raises on the given calls (1-based).
+
+    The default fails a run's step 2 (one call per step) and both of its retries with reward.max_retries=2.
+    """
+
+    retryable = True
+
+    def __init__(self, fail_calls: tuple[int, ...] = (2, 3, 4)) -> None:
+        self.fail_calls = set(fail_calls)
+        self.num_calls = 0
+
+    def __call__(self, images, prompts, metadata):
+        self.num_calls += 1
+        if self.num_calls in self.fail_calls:
+            raise RuntimeError(f"scorer failed on call {self.num_calls} (test fault)")
+        return torch.tensor(_brightness(images))
