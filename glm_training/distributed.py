@@ -14,7 +14,6 @@ Two rules from the project's seed bugs live here:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -236,16 +235,57 @@ class CollectiveFailure(RuntimeError):
     """Another rank died or stopped answering; the message names this rank, the step and the phase."""
 
 
-@contextlib.contextmanager
-def phase(name: str, step: int | None = None):
-    """Mark what this rank is doing (one of `PHASES`) so a failed collective can say so."""
+def set_phase(name: str, step: int | None = None) -> None:
+    """Mark what this rank is doing from now on (one of `PHASES`; `step` None keeps the current step).
+
+    A plain setter, not a scope: the phase stays until the next one is set, so after a failure (or a kill) it
+    is the phase the rank was in, for the message that names it.
+    """
     if name not in PHASES:
         raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
-    previous = dict(_current)
-    _current.update(phase=name, step=step if step is not None else previous["step"])
-    yield
-    # Not in a `finally`: after a failure the phase stays what it was, for the message that names it.
-    _current.update(previous)
+    _current.update(phase=name, step=step if step is not None else _current["step"])
+    _publish_phase()
+
+
+def _store():
+    """The rendezvous key-value store (torchrun's agent hosts it, so it outlives a dead worker), or None."""
+    if not is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _publish_phase() -> None:
+    """Leave this rank's step and phase in the store, where a survivor can read them after a failure."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(f"glm_training/phase/{dist.get_rank()}", f"{_current['step']}|{_current['phase']}")
+    except (RuntimeError, ValueError):
+        pass  # best effort: the store is only read to improve an error message
+
+
+def peer_phases() -> dict[int, str]:
+    """{rank: "step S, phase 'P'"}: where every other rank last said it was (what the store still holds)."""
+    store = _store()
+    if store is None:
+        return {}
+    found = {}
+    for rank in range(dist.get_world_size()):
+        key = f"glm_training/phase/{rank}"
+        try:
+            if rank == dist.get_rank() or not store.check([key]):
+                continue
+            step, _, name = store.get(key).decode().partition("|")
+        except (RuntimeError, ValueError):
+            return found
+        found[rank] = f"step {step}, phase '{name}'" if step != "None" else f"phase '{name}'"
+    return found
 
 
 def current_phase() -> tuple[str, int | None]:
@@ -272,9 +312,15 @@ def describe_failure(err: BaseException, timeout_s: float | None) -> str:
     where = f"step {step}" if step is not None else "start-up"
     cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     bound = f" (bound: trainer.dist_timeout_s={timeout_s:g})" if timeout_s else ""
+    # A rank still in an earlier step or another phase than this one is the one that died or stalled.
+    mine = f"step {step}, phase '{name}'" if step is not None else f"phase '{name}'"
+    others = peer_phases()
+    behind = {r: where for r, where in others.items() if where != mine}
+    peers = "; ".join(f"rank {r} was last in {w}" for r, w in sorted((behind or others).items()))
     return (
         f"rank {rank}: a collective failed at {where}, phase '{name}': another rank died or stopped "
-        f"answering{bound}. torch reported: {cause}. If a rank died, the launcher's summary names it."
+        f"answering{bound}.{' ' + peers + '.' if peers else ''} torch reported: {cause}. If a rank died, "
+        "the launcher's summary names it."
     )
 
 

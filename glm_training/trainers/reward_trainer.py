@@ -199,8 +199,8 @@ class RewardTrainer:
         failed = True
         try:
             if self.start_step == 0:
-                with dist.phase("evaluation", 0):
-                    self.tracker.log_scalars(0, self._maybe_evaluate(0))  # the base model's numbers
+                dist.set_phase("evaluation", 0)
+                self.tracker.log_scalars(0, self._maybe_evaluate(0))  # the base model's numbers
             for step in range(self.start_step, cfg.num_steps):
                 if self._train_step(step, bar, skips, signals):
                     break
@@ -217,8 +217,8 @@ class RewardTrainer:
                 bar.close()
             self.tracker.close(failed=failed)
             self.rewards.close()
-        with dist.phase("shutdown"):
-            dist.barrier()
+        dist.set_phase("shutdown")
+        dist.barrier()
         return self.output_dir
 
     def _train_step(self, step: int, bar, skips: SkipCounter, signals: StopSignals) -> bool:
@@ -226,19 +226,19 @@ class RewardTrainer:
         cfg = self.cfg.trainer
         start = time.perf_counter()
         self.rewards.failures.clear()
-        with dist.phase("rollout", step + 1):
-            batch = self._collect(step)
-        with dist.phase("reward gather", step + 1):
-            reward_failed = dist.any_rank(bool(self.rewards.failures))
+        dist.set_phase("rollout", step + 1)
+        batch = self._collect(step)
+        dist.set_phase("reward gather", step + 1)
+        reward_failed = dist.any_rank(bool(self.rewards.failures))
         if reward_failed and self.cfg.reward.on_failure == "error":
             raise RewardFailed(self._failure_message(step))
         self.num_skipped_nonfinite = 0
-        with dist.phase("update", step + 1):
-            if reward_failed:
-                logger.warning("%s; no update (reward.on_failure=skip)", self._failure_message(step))
-                update_stats: dict[str, float] = {}
-            else:
-                update_stats = self._update(batch, step)
+        dist.set_phase("update", step + 1)
+        if reward_failed:
+            logger.warning("%s; no update (reward.on_failure=skip)", self._failure_message(step))
+            update_stats: dict[str, float] = {}
+        else:
+            update_stats = self._update(batch, step)
         nonfinite = self.num_skipped_nonfinite > 0 or not math.isfinite(update_stats.get("loss", 0.0))
         skips.record(reward_failed or nonfinite, "reward failure" if reward_failed else "non-finite loss")
         record = {"step": step + 1, **batch.stats, **update_stats}
@@ -246,11 +246,12 @@ class RewardTrainer:
         record["skipped_reward_failure"] = int(reward_failed)
         record["lr"] = self.lr_scheduler.get_last_lr()[0]
         record["step_time_s"] = time.perf_counter() - start
-        with dist.phase("evaluation", step + 1):
-            record.update(self._maybe_evaluate(step + 1))
+        dist.set_phase("evaluation", step + 1)
+        record.update(self._maybe_evaluate(step + 1))
         self.metrics.write(record)
         self._log(bar, record, batch)
         skips.check(step + 1)
+        dist.set_phase("checkpoint", step + 1)
         stop = signals.agreed()  # every rank, every step: all stop at the same step
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.num_steps or stop:
             if skips.in_a_row:
@@ -259,8 +260,7 @@ class RewardTrainer:
                     "step %d: no checkpoint during %d skipped step(s) in a row", step + 1, skips.in_a_row
                 )
             else:
-                with dist.phase("checkpoint", step + 1):
-                    self._save(step + 1)
+                self._save(step + 1)
         if stop:
             logger.warning(
                 "stopped at step %d on a stop signal (%s); continue with trainer.resume=latest",
@@ -280,8 +280,8 @@ class RewardTrainer:
         scoring = self.rewards.queue(overlap=self.cfg.reward.overlap)
         rollout, images = self._rollout(group_prompts, group_ids, step, scoring)
         parts = scoring.result()
-        with dist.phase("reward gather"):
-            rewards, advantages, stats = self._advantages(parts)
+        dist.set_phase("reward gather")
+        rewards, advantages, stats = self._advantages(parts)
         preview = (images, [p.text for p in sample_prompts], rewards.tolist())
         return Batch(sample_prompts, images, rewards, parts, advantages, rollout, stats, preview)
 
