@@ -149,6 +149,7 @@ def test_the_survivor_of_a_dead_or_stalled_rank_fails_in_bounded_time_naming_the
     time.sleep(1)  # the survivor's last lines reach the log
     log = job.text()
     assert "rank 0: a collective failed at step" in log, log[-3000:]
+    assert "rank 1 was last in step" in log  # where the dead or stopped rank was, from the rendezvous store
     assert any(f"phase '{p}'" in log for p in ("rollout", "reward gather", "update", "checkpoint")), log[
         -3000:
     ]
