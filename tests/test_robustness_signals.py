@@ -18,6 +18,8 @@ from glm_training.metrics import read_metrics
 from glm_training.trainers.dit_trainer import DiTTrainer
 
 NUM_STEPS = 4
+# No TensorBoard: it adds start-up time and nothing these tests look at.
+SMALL = [*DIT_SMALL, "logging.tensorboard=false"]
 
 
 def checkpoints(output_dir) -> list[int]:
@@ -51,7 +53,7 @@ def runs():
 @pytest.mark.slow
 def test_sigterm_checkpoints_the_step_reached_and_resume_is_exact(tmp_path, runs):
     full, part = tmp_path / "full", tmp_path / "part"
-    args = [*DIT_SMALL, "trainer.save_every=0", f"trainer.num_steps={NUM_STEPS}"]
+    args = [*SMALL, "trainer.save_every=0", f"trainer.num_steps={NUM_STEPS}"]
     assert run(DiTTrainer, "t2i_training", [*args, f"trainer.output_dir={full}"]) == 0
 
     job = Run([PYTHON, "train_dit.py", *args, f"trainer.output_dir={part}"], tmp_path / "part.log")
@@ -77,7 +79,7 @@ def test_sigusr1_asks_to_stop_and_a_second_signal_exits_at_once(tmp_path, runs):
         [
             PYTHON,
             "train_dit.py",
-            *DIT_SMALL,
+            *SMALL,
             "trainer.num_steps=50",
             f"trainer.output_dir={tmp_path}",
             # A slow reward: the second signal surely comes while the first step is still running.
@@ -100,7 +102,7 @@ def test_sigusr1_asks_to_stop_and_a_second_signal_exits_at_once(tmp_path, runs):
 @pytest.mark.distributed
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resume_is_exact(tmp_path, runs):
     full, part = tmp_path / "full", tmp_path / "part"
-    args = [*DIT_SMALL, "trainer.save_every=0", f"trainer.num_steps={NUM_STEPS}"]
+    args = [*SMALL, "trainer.save_every=0", f"trainer.num_steps={NUM_STEPS}"]
     reference = Run([*TORCHRUN, "train_dit.py", *args, f"trainer.output_dir={full}"], tmp_path / "full.log")
     runs.append(reference)
     assert reference.wait(timeout=300) == 0, reference.text()[-3000:]
@@ -137,7 +139,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resume_is_exact(tmp
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_the_survivor_of_a_dead_or_stalled_rank_fails_in_bounded_time_naming_the_phase(tmp_path, runs, sig):
     bound = 6
-    args = [*DIT_SMALL, "trainer.num_steps=50", f"trainer.dist_timeout_s={bound}"]
+    args = [*SMALL, "trainer.num_steps=50", f"trainer.dist_timeout_s={bound}"]
     args.append(f"trainer.output_dir={tmp_path}")
     job = Run([*TORCHRUN, "train_dit.py", *args], tmp_path / "run.log")
     runs.append(job)
