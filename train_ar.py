@@ -8,7 +8,7 @@ torchrun --nproc_per_node=8 train_ar.py --config configs/ar_training.yaml model=
 import sys
 
 from glm_training.cli import run
-from glm_training.trainers.ar_trainer import ARTrainer
 
 if __name__ == "__main__":
-    sys.exit(run(ARTrainer, "ar_training"))
+    # The trainer is imported when training starts: --cfg and --help answer without loading torch.
+    sys.exit(run("glm_training.trainers.ar_trainer:ARTrainer", "ar_training"))

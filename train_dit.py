@@ -8,7 +8,7 @@ torchrun --nproc_per_node=8 train_dit.py --config configs/t2i_training.yaml mode
 import sys
 
 from glm_training.cli import run
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 if __name__ == "__main__":
-    sys.exit(run(DiTTrainer, "t2i_training"))
+    # The trainer is imported when training starts: --cfg and --help answer without loading torch.
+    sys.exit(run("glm_training.trainers.dit_trainer:DiTTrainer", "t2i_training"))

@@ -1,8 +1,8 @@
 """Everything distributed, in one place: rank info, device choice, the accelerate engine, and collectives.
 
 Trainers never call `torch.distributed` themselves. Every helper runs with the gloo backend on CPU, so the
-multi-rank behaviour is tested for real with 2 processes under `torchrun` on one machine, and degrades to
-a no-op in a single process.
+multi-rank behaviour is tested for real with 2 processes under `torchrun` (and `accelerate launch
+--multi_gpu`, torchrun underneath) on one machine, and degrades to a no-op in a single process.
 
 Two rules from the project's seed bugs live here:
 - distributed is detected from the environment (`WORLD_SIZE != 1`, `RANK`, `LOCAL_RANK`) or from the
@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from glm_training.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -36,14 +38,39 @@ class RankInfo:
     world_size: int
 
 
+class LaunchError(UserError, RuntimeError):
+    """The launcher started fewer processes than asked for; the message gives the command that works."""
+
+
 def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
-    """Rank, local rank and world size as torchrun (or any launcher following its convention) sets them."""
+    """Rank, local rank and world size as torchrun (or any launcher following its convention) sets them.
+
+    `accelerate launch --multi_gpu` (and on GPU machines plain `accelerate launch --num_processes N`) runs
+    torchrun underneath, so it sets the same variables. On a machine without GPUs, `accelerate launch
+    --num_processes N` without `--multi_gpu` starts ONE process (its multi-CPU mode needs mpirun); that
+    process would silently train alone, so it is refused here with the command that works.
+    """
     env = os.environ if env is None else env
+    if _single_process_accelerate_launch(env):
+        raise LaunchError(
+            "`accelerate launch` started this script as one process although more were asked for: unless "
+            "the machine has several GPUs it starts several processes only with --multi_gpu (torchrun "
+            "underneath; gloo on CPU). Run `accelerate launch --multi_gpu --num_processes N SCRIPT ...` or "
+            "`torchrun --nproc_per_node=N SCRIPT ...`."
+        )
     return RankInfo(
         rank=int(env.get("RANK", 0)),
         local_rank=int(env.get("LOCAL_RANK", 0)),
         world_size=int(env.get("WORLD_SIZE", 1)),
     )
+
+
+def _single_process_accelerate_launch(env: Mapping[str, str]) -> bool:
+    """accelerate's simple launcher with `--num_processes > 1`: it sets MASTER_ADDR for the world it did not
+    start (and its ACCELERATE_* variables) but neither WORLD_SIZE nor, without mpirun, any MPI variable."""
+    launched_by_accelerate = "ACCELERATE_DYNAMO_BACKEND" in env and "ACCELERATE_MIXED_PRECISION" in env
+    world_vars = ("WORLD_SIZE", "RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+    return launched_by_accelerate and "MASTER_ADDR" in env and not any(v in env for v in world_vars)
 
 
 def detect_distributed(env: Mapping[str, str] | None = None, strategy: str = "ddp") -> tuple[bool, str]:

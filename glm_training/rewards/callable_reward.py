@@ -18,15 +18,21 @@ config:
 
 `my_rewards` is imported as a module (from the current directory or anywhere on `sys.path`); a name ending in
 `.py` is loaded from that file.
+
+From Python the function itself (or a `Reward` object) can be handed to a trainer, TRL-style:
+`DiTTrainer(cfg, reward_funcs=[my_reward])`; `CallableReward.from_object` wraps it and `reward_name` names it
+(the name in the metrics, `reward/<name>`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,23 +79,51 @@ def load_target(target: str) -> Any:
     return getattr(module, attr)
 
 
+def reward_name(obj: Any) -> str:
+    """The metrics name of a reward given as a Python object (`reward/<name>` in metrics.jsonl).
+
+    A registered `Reward` keeps its registry name; another `Reward` object is named after its class; a
+    function after `__name__` (a lambda is "lambda"); a `functools.partial` after the function it wraps; any
+    other callable object after its class.
+    """
+    if isinstance(obj, Reward):
+        return obj.name if obj.name != Reward.name else type(obj).__name__
+    if isinstance(obj, functools.partial):
+        return reward_name(obj.func)
+    name = getattr(obj, "__name__", None) or type(obj).__name__
+    return "lambda" if name == "<lambda>" else name
+
+
 class CallableReward(Reward):
     """A user's function (or `Reward` subclass) as a reward; `options` are its keyword arguments."""
 
     def __init__(self, target: str, **options: Any) -> None:
-        self.name = target
-        obj = load_target(target)
-        if isinstance(obj, type) and issubclass(obj, Reward):
-            self.fn = obj(**options)
+        self._bind(target, load_target(target), options)
+
+    @classmethod
+    def from_object(cls, obj: Reward | Callable[..., Any], name: str) -> CallableReward:
+        """A reward object or function given directly in Python (no options: bind them with a closure)."""
+        reward = cls.__new__(cls)
+        reward._bind(name, obj, {})
+        return reward
+
+    def _bind(self, name: str, obj: Any, options: dict[str, Any]) -> None:
+        self.name = name
+        if isinstance(obj, Reward):
+            self.fn: Any = obj
             self.options: dict[str, Any] = {}
             return
+        if isinstance(obj, type) and issubclass(obj, Reward):
+            self.fn = obj(**options)
+            self.options = {}
+            return
         if not callable(obj):
-            raise ValueError(f"reward {target!r} is a {type(obj).__name__}, not a function or Reward class")
+            raise ValueError(f"reward {name!r} is a {type(obj).__name__}, not a function or Reward class")
         try:
             inspect.signature(obj).bind([], [], [], **options)
         except TypeError as err:
             raise ValueError(
-                f"reward {target!r} cannot be called as fn(images, prompts, metadata, **options) with "
+                f"reward {name!r} cannot be called as fn(images, prompts, metadata, **options) with "
                 f"options {sorted(options)}: {err}"
             ) from None
         except ValueError:

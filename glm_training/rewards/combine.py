@@ -17,21 +17,30 @@ Scoring can overlap with the rollout: the rollout hands each decoded micro-batch
 with `overlap=True` scores it in a worker thread while the next micro-batch samples (the approach of
 Flow-GRPO's reward executor). Chunks are scored in submission order by the same calls either way, so the
 scores do not depend on the setting.
+
+From Python a trainer also takes the rewards themselves, TRL-style
+(`DiTTrainer(cfg, reward_funcs=[fn, ...])`): functions, `Reward` objects and reward names mixed, named as
+`callable_reward.reward_name` says (or by the keys of a dict) and reported as `reward/<name>`;
+`rewards_from_python` builds the `RewardSet` and the reward config that records them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from PIL import Image
 
-from glm_training.rewards.callable_reward import CallableReward, is_callable_target
+from glm_training.rewards.callable_reward import CallableReward, is_callable_target, reward_name
 from glm_training.rewards.registry import Reward, build_reward, check_reward_options
 from glm_training.rewards.retry import FailurePolicy, RewardFailed, call_with_retries, is_retryable
+
+logger = logging.getLogger(__name__)
 
 Scores = dict[str, torch.Tensor]  # reward name -> raw scores [N], float32 on the CPU
 
@@ -75,8 +84,10 @@ class RewardSet:
     """The rewards named in `weights`, built with `options[name]` as constructor keywords.
 
     A name is a registered reward (`available_rewards()`) or a user's callable as `module:function` (or
-    `path/to/file.py:function`). Names, weights and options are all validated before any reward (and so any
-    reward model) is built, so a typo fails at start-up with the available names and the closest match.
+    `path/to/file.py:function`), or a name of `objects`: rewards given as Python objects (a function
+    `fn(images, prompts, metadata)` or a `Reward` instance), reported under that name. Names, weights and
+    options are all validated before any reward (and so any reward model) is built, so a typo fails at
+    start-up with the available names and the closest match.
     """
 
     def __init__(
@@ -84,7 +95,9 @@ class RewardSet:
         weights: dict[str, float],
         options: dict[str, dict[str, Any]] | None = None,
         combine: str = "weighted_sum",
+        objects: Mapping[str, Reward | Callable[..., Any]] | None = None,
     ) -> None:
+        objects = dict(objects or {})
         options = dict(options or {})
         if not weights:
             raise ValueError(
@@ -101,14 +114,23 @@ class RewardSet:
                 f"options given for reward(s) {stray} that have no weight; add them to the weights "
                 f"(weight 0.0 to only log them) or remove their options. Weighted rewards: {list(weights)}"
             )
+        given_options = sorted(set(options) & set(objects))
+        if given_options:
+            raise ValueError(
+                f"options given for reward(s) {given_options} passed as Python objects; bind them in Python "
+                "(functools.partial or a closure) instead"
+            )
         for name in weights:
-            if not is_callable_target(name):
+            if name not in objects and not is_callable_target(name):
                 check_reward_options(name, options.get(name, {}))
 
         self.names: list[str] = list(weights)
         self.weights: dict[str, float] = {name: float(weight) for name, weight in weights.items()}
         self.combine_fn = COMBINE_FNS[combine]
-        self.rewards: dict[str, Reward] = {name: _build(name, options.get(name, {})) for name in self.names}
+        self.rewards: dict[str, Reward] = {
+            name: _wrap(objects[name], name) if name in objects else _build(name, options.get(name, {}))
+            for name in self.names
+        }
         self._executor: ThreadPoolExecutor | None = None
         # Retries, failures and non-finite scores (see `rewards/retry.py`); the trainer sets the policy.
         self.policy = FailurePolicy()
@@ -199,6 +221,75 @@ class ScoringQueue:
         if not chunks:
             return {name: torch.zeros(0) for name in names}
         return {name: torch.cat([c[name] for c in chunks]) for name in names}
+
+
+RewardFuncs = Sequence[Reward | Callable[..., Any] | str] | Mapping[str, Reward | Callable[..., Any] | str]
+
+
+def rewards_from_python(
+    reward_cfg: Any,
+    reward_funcs: RewardFuncs | Reward | Callable[..., Any],
+    weights: Sequence[float] | None = None,
+) -> tuple[RewardSet, Any]:
+    """The rewards a trainer was handed in Python, replacing `reward_cfg.names` (TRL's `reward_funcs`).
+
+    `reward_funcs`: one reward or a list of them, each a function `fn(images, prompts, metadata) -> N floats`,
+    a `Reward` object, or a name as in `reward.names` (registry name or `module:function`, built with its
+    `reward.options`); or a dict {name: reward} choosing the names. `weights`: one per reward, default 1.0
+    each (`reward.weights` of the config is replaced too). `reward.combine` and `reward.overlap` still apply.
+
+    Returns the `RewardSet` and a copy of `reward_cfg` whose `names`/`weights` are what trains (the run's
+    config.yaml records them; functions by their names).
+    """
+    if isinstance(reward_funcs, Mapping):
+        entries = dict(reward_funcs)
+        bad = [key for key in entries if not isinstance(key, str) or not key]
+        if bad:
+            raise ValueError(f"reward_funcs dict keys are the metric names and must be strings, got {bad}")
+    else:
+        if isinstance(reward_funcs, (str, Reward)) or callable(reward_funcs):
+            reward_funcs = [reward_funcs]
+        entries = {}
+        for obj in reward_funcs:
+            base = obj if isinstance(obj, str) else reward_name(obj)
+            name, copy = base, 2
+            while name in entries:  # two lambdas: "lambda", "lambda_2"
+                name, copy = f"{base}_{copy}", copy + 1
+            entries[name] = obj
+    if not entries:
+        raise ValueError("reward_funcs is empty; give at least one reward function, Reward or reward name")
+    names = list(entries)
+    if weights is None:
+        weights = [1.0] * len(names)
+    weights = list(weights)
+    if len(weights) != len(names):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(names)} rewards {names}")
+    # Names are built with their reward.options (under the name itself, whatever the dict key), after every
+    # name and option has been checked, so a typo fails before any reward model loads.
+    strings = {name: obj for name, obj in entries.items() if isinstance(obj, str)}
+    options = {name: dict(reward_cfg.options.get(target, {})) for name, target in strings.items()}
+    for name, target in strings.items():
+        if not is_callable_target(target):
+            check_reward_options(target, options[name])
+    dropped = sorted(set(reward_cfg.options) - set(strings.values()))
+    if dropped:
+        logger.warning("reward.options for %s ignored: not among the trainer's reward_funcs", dropped)
+    objects = {
+        name: _build(obj, options[name]) if isinstance(obj, str) else obj for name, obj in entries.items()
+    }
+    reward_set = RewardSet(dict(zip(names, weights)), None, reward_cfg.combine, objects=objects)
+    recorded = dataclasses.replace(
+        reward_cfg,
+        names=names,
+        weights=[float(w) for w in weights],
+        options={name: o for name, o in options.items() if o},
+    )
+    return reward_set, recorded
+
+
+def _wrap(obj: Reward | Callable[..., Any], name: str) -> Reward:
+    # A Reward object keeps its own contract (a tensor per batch); a function may return a list or an array.
+    return obj if isinstance(obj, Reward) else CallableReward.from_object(obj, name)
 
 
 def _build(name: str, options: dict[str, Any]) -> Reward:

@@ -69,8 +69,8 @@ class ARRollout:
 class ARTrainer(RewardTrainer):
     component = "ar"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, **reward_kwargs):
+        super().__init__(cfg, **reward_kwargs)  # reward_funcs / reward_weights (Python API)
         s = cfg.sampling
         pipe = self.wrapper.pipeline
         pipe.set_progress_bar_config(disable=True)

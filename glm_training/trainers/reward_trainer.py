@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -63,7 +64,7 @@ from glm_training.models.wrapper import (
 )
 from glm_training.preemption import StopSignals
 from glm_training.rewards import RewardSet
-from glm_training.rewards.combine import ScoringQueue
+from glm_training.rewards.combine import RewardFuncs, ScoringQueue, rewards_from_python
 from glm_training.rewards.retry import FailurePolicy, RewardFailed
 from glm_training.tracking import build_tracker
 
@@ -121,13 +122,22 @@ class RewardTrainer:
 
     component: str = ""
 
-    def __init__(self, cfg: Any):
+    def __init__(
+        self, cfg: Any, reward_funcs: RewardFuncs | None = None, reward_weights: list[float] | None = None
+    ):
+        """`cfg`: a `DiTTrainConfig` / `ARTrainConfig`. `reward_funcs` (Python API, as TRL's): functions,
+        `Reward` objects or reward names that replace `reward.names`, weighted by `reward_weights` (default
+        1.0 each); `rewards.combine.rewards_from_python` says how they are named in the metrics."""
         self.cfg = cfg
         info = dist.rank_info()
         setup_logging(info.rank == 0)
         # Everything that can be wrong with the inputs fails here, before any model is loaded.
         self.prompts = load_prompts(cfg.data.resolved_prompt_file())
-        self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options, cfg.reward.combine)
+        if reward_funcs is None:
+            self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options, cfg.reward.combine)
+        else:
+            self.rewards, reward_cfg = rewards_from_python(cfg.reward, reward_funcs, reward_weights)
+            self.cfg = cfg = dataclasses.replace(cfg, reward=reward_cfg)  # config.yaml records them
         self.rewards.check_prompts([p.text for p in self.prompts], [p.metadata for p in self.prompts])
         self.eval_prompts = load_eval_prompts(cfg.eval) if cfg.eval.every_n_steps else []
         if self.eval_prompts:
