@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import DIT_SMALL, REPO
+from conftest import DIT_SMALL, REPO, torchrun
 from PIL import Image
 
 from glm_training.cli import run
@@ -50,6 +50,7 @@ def test_reward_set_retries_a_retryable_reward_and_records_what_failed_for_good(
     images, prompts, metadata = [Image.new("RGB", (8, 8), (255, 255, 255))] * 2, ["a", "b"], [{}, {}]
     rewards = RewardSet({FLAKY: 1.0}, {FLAKY: {"fail_calls": [1, 3, 4]}})
     rewards.policy = FailurePolicy(max_retries=1, backoff_s=0.0)
+    rewards.defer_errors = True  # as while the trainer collects a step
     assert rewards(images, prompts, metadata)[FLAKY].tolist() == [1.0, 1.0]  # call 1 failed, call 2 did not
     assert rewards.failures == []
     scores = rewards(images, prompts, metadata)[FLAKY]  # calls 3 and 4 fail: out of retries
@@ -148,3 +149,25 @@ def test_the_remote_reward_server_restarted_mid_run_the_run_retries_and_continue
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["skipped_reward_failure"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_reward_raising_on_one_rank_stops_both_ranks_at_once(tmp_path):
+    args = [
+        *DIT_SMALL,
+        "trainer.num_steps=2",
+        "trainer.dist_timeout_s=300",
+        f"trainer.output_dir={tmp_path}",
+        f"reward.names=[{REPO}/tests/user_rewards/faults.py:fails_on_rank_1]",
+    ]
+    start = time.monotonic()
+    result = torchrun("train_dit.py", args, timeout=240)
+    took = time.monotonic() - start
+    assert result.returncode != 0
+    log = result.stdout + result.stderr
+    assert (
+        "KeyError: 'a bug in the reward that only rank 1 hits (test fault)'" in log
+    )  # rank 1, its own error
+    assert "error: step 1: a reward failed on another rank (its log says how)" in log  # rank 0, exit 2
+    assert "a collective failed" not in log and took < 200  # agreed at once, not after dist_timeout_s

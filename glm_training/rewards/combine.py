@@ -38,7 +38,7 @@ from PIL import Image
 
 from glm_training.rewards.callable_reward import CallableReward, is_callable_target, reward_name
 from glm_training.rewards.registry import Reward, build_reward, check_reward_options
-from glm_training.rewards.retry import FailurePolicy, RewardFailed, call_with_retries, is_retryable
+from glm_training.rewards.retry import FailurePolicy, score_reward
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +132,12 @@ class RewardSet:
             for name in self.names
         }
         self._executor: ThreadPoolExecutor | None = None
-        # Retries, failures and non-finite scores (see `rewards/retry.py`); the trainer sets the policy.
+        # Retries, failures and non-finite scores (see `rewards/retry.py`); the trainer sets the policy and
+        # defers errors while it collects a step, then clears what was recorded.
         self.policy = FailurePolicy()
-        self.failures: list[str] = []  # failed rewards since the trainer last cleared it
+        self.defer_errors = False
+        self.failures: list[str] = []  # retryable rewards out of retries
+        self.errors: list[Exception] = []  # any other reward error
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         """Run every reward's prompt check (ValueError naming the prompt and the fix)."""
@@ -149,22 +152,10 @@ class RewardSet:
             raise ValueError(
                 f"got {num_images} images, {len(prompts)} prompts and {len(metadata)} metadata entries"
             )
-        scores: Scores = {}
-        for name, reward in self.rewards.items():
-            try:
-                raw = call_with_retries(
-                    lambda r=reward: r(images, prompts, metadata),
-                    name=name,
-                    retryable=is_retryable(reward),
-                    policy=self.policy,
-                )
-            except RewardFailed as err:
-                # NaN instead of raising: every rank still runs the step's collectives, then all agree.
-                self.failures.append(str(err))
-                scores[name] = torch.full((num_images,), float("nan"))
-                continue
-            scores[name] = _validated(name, raw, prompts, self.policy.on_nonfinite == "drop")
-        return scores
+        return {
+            name: score_reward(self, name, reward, images, prompts, metadata, _validated)
+            for name, reward in self.rewards.items()
+        }
 
     def combine(self, parts: Scores, num_generations: int) -> torch.Tensor:
         """The total [N] of a whole step's gathered scores (group-major, `num_generations` per group)."""

@@ -2,14 +2,17 @@
 
 A reward that declares itself retryable (`Reward.retryable = True`: the remote client, model scorers whose
 failures are transient, such as a CUDA error or a restarting server) is called again after
-`backoff_s * 2**k` seconds before retry k+1, up to `reward.max_retries` retries. When every attempt fails,
-`RewardSet` records the failure and hands back NaN scores for the chunk instead of raising, so every rank
-still runs the same collectives; the training loop then asks all ranks once per step whether any reward
-failed (`distributed.any_rank`) and, by `reward.on_failure`, skips the step's update on every rank
-(`skip`, counted as `skipped_reward_failure`) or stops every rank with `RewardFailed` (`error`).
+`backoff_s * 2**k` seconds before retry k+1, up to `reward.max_retries` retries.
 
-A reward that is not retryable (the built-in pixel rewards, a user's function) fails the run at once, as a
-bug in it would fail again.
+While the trainer collects a step (`RewardSet.defer_errors`), a reward's error is recorded and the chunk
+gets NaN scores instead of raising, so every rank still runs the same collectives; the loop then asks all
+ranks once per step what failed (one all-reduce) and every rank acts on it together:
+- a retryable reward out of retries: by `reward.on_failure`, the step's update is skipped on every rank
+  (`skip`, counted as `skipped_reward_failure`) or every rank stops with `RewardFailed` (`error`);
+- any other error (a non-retryable reward, whose failure is a bug; a wrong shape; a NaN score with
+  `reward.on_nonfinite=error`): every rank stops, the one that saw it with the original error.
+Without this, one rank raising would leave the others waiting in a collective until `dist_timeout_s`.
+Outside training (evaluation, direct calls) errors raise at once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import torch
 
 from glm_training.errors import UserError
 
@@ -82,3 +87,27 @@ def call_with_retries(
             )
             sleep(wait)
     raise AssertionError("unreachable")
+
+
+def score_reward(
+    reward_set: Any, name: str, reward: Any, images: list, prompts: list, metadata: list, validate
+) -> torch.Tensor:
+    """One reward's scores [N] for `RewardSet.__call__`: retried and validated; NaN, with the error recorded
+    on `reward_set` (`failures` or `errors`), while it defers errors."""
+    policy: FailurePolicy = reward_set.policy
+    try:
+        raw = call_with_retries(
+            lambda: reward(images, prompts, metadata),
+            name=name,
+            retryable=is_retryable(reward),
+            policy=policy,
+        )
+        return validate(name, raw, prompts, policy.on_nonfinite == "drop")
+    except Exception as err:
+        if not reward_set.defer_errors:
+            raise
+        if isinstance(err, RewardFailed):
+            reward_set.failures.append(str(err))
+        else:
+            reward_set.errors.append(err)
+    return torch.full((len(images),), float("nan"))

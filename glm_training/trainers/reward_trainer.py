@@ -236,10 +236,23 @@ class RewardTrainer:
         cfg = self.cfg.trainer
         start = time.perf_counter()
         self.rewards.failures.clear()
+        self.rewards.errors.clear()
+        # A reward's error is held (NaN scores) until every rank has collected: then all act on it together.
+        self.rewards.defer_errors = True
         dist.set_phase("rollout", step + 1)
-        batch = self._collect(step)
+        try:
+            batch = self._collect(step)
+        finally:
+            self.rewards.defer_errors = False
         dist.set_phase("reward gather", step + 1)
-        reward_failed = dist.any_rank(bool(self.rewards.failures))
+        seen = torch.tensor([float(bool(self.rewards.failures)), float(bool(self.rewards.errors))])
+        reward_failed, reward_error = (bool(x) for x in dist.all_reduce(seen, op="max"))
+        if reward_error:
+            if self.rewards.errors:
+                raise self.rewards.errors[0]
+            raise RewardFailed(
+                f"step {step + 1}: a reward failed on another rank (its log says how); stopping"
+            )
         if reward_failed and self.cfg.reward.on_failure == "error":
             raise RewardFailed(self._failure_message(step))
         self.num_skipped_nonfinite = 0

@@ -5,6 +5,7 @@ Named by file (`tests/user_rewards/faults.py:slow_brightness`), so runs from the
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -47,3 +48,10 @@ class FailsOnCalls(Reward):
         if self.num_calls in self.fail_calls:
             raise RuntimeError(f"scorer failed on call {self.num_calls} (test fault)")
         return torch.tensor(_brightness(images))
+
+
+def fails_on_rank_1(images, prompts, metadata):
+    """Mean brightness on rank 0; raises on rank 1 (a scorer that breaks on one machine only)."""
+    if os.environ.get("RANK") == "1":
+        raise KeyError("a bug in the reward that only rank 1 hits (test fault)")
+    return _brightness(images)
