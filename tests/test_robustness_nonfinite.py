@@ -123,3 +123,18 @@ def test_k_nan_steps_in_a_row_stop_the_run_and_keep_the_last_good_checkpoint(tmp
     assert "trainer.max_consecutive_skips=2" in err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
     assert_all_finite(weights(tmp_path, 1))
+
+
+def test_a_failed_collective_is_described_by_rank_step_and_phase():
+    from glm_training import distributed as dist
+
+    with pytest.raises(ValueError, match="unknown phase 'training'"):
+        dist.set_phase("training", 3)
+    dist.set_phase("update", 7)
+    dist.set_phase("reward gather")  # keeps the step
+    err = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+    assert dist.is_collective_failure(err) and not dist.is_collective_failure(RuntimeError("CUDA OOM"))
+    message = dist.describe_failure(err, 60.0)
+    assert message.startswith("rank 0: a collective failed at step 7, phase 'reward gather'")
+    assert "trainer.dist_timeout_s=60" in message and "Connection closed by peer" in message
+    dist._current.update(phase="start-up", step=None)  # as a fresh process starts
