@@ -168,9 +168,26 @@ class RewardConfig:
     # Score each decoded micro-batch in a worker thread while the rollout samples the next one. The scores
     # are the same either way; it saves time when a reward model and the rollout can run side by side.
     overlap: bool = False
+    # A NaN/inf score: `error` stops the run naming the reward and samples; `drop` gives the sample's group
+    # zero advantage (it teaches nothing this step) and counts it as `dropped_nonfinite_groups`.
+    on_nonfinite: str = "error"
+    # Rewards that declare themselves retryable (remote, model scorers) are retried this many times, waiting
+    # retry_backoff_s * 2**k before retry k+1. Then `on_failure`: `error` stops every rank with the reward's
+    # name; `skip` makes the step's update a no-op on every rank (counted as `skipped_reward_failure`).
+    max_retries: int = 3
+    retry_backoff_s: float = 1.0
+    on_failure: str = "error"
 
     def __post_init__(self) -> None:
         _check(len(self.names) > 0, "reward.names", "name at least one reward.")
+        _check_choice(self.on_nonfinite, ("error", "drop"), "reward.on_nonfinite")
+        _check_choice(self.on_failure, ("error", "skip"), "reward.on_failure")
+        _check(self.max_retries >= 0, "reward.max_retries", "must be >= 0 (0 = no retry).")
+        _check(
+            math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0,
+            "reward.retry_backoff_s",
+            "must be a finite number of seconds >= 0.",
+        )
         _check_choice(self.combine, ("weighted_sum", "normalized_sum"), "reward.combine")
         _check(
             not self.weights or len(self.weights) == len(self.names),
@@ -275,11 +292,23 @@ class TrainerConfig:
     resume: str | None = None  # a checkpoint folder, or "latest" (newest in output_dir)
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
     strategy: str = "ddp"  # ddp | fsdp | deepspeed (multi-process engines of accelerate)
-    dist_timeout_s: float = 1800.0
+    # Bound on every collective once training runs: a rank that dies or stalls makes the others fail within
+    # it, naming the step and phase. Loading is bounded by model.stage_timeout_s instead. It must cover the
+    # longest wait of one rank for another, e.g. rank 0 writing a full fine-tune's checkpoint.
+    dist_timeout_s: float = 600.0
+    # Steps in a row that make no update (non-finite loss/gradients, a reward failure with on_failure=skip)
+    # before the run stops with TooManySkippedSteps; 0 = never stop.
+    max_consecutive_skips: int = 5
     progress_bar: bool = True
 
     def __post_init__(self) -> None:
         _check(self.num_steps >= 1, "trainer.num_steps", "must be >= 1.")
+        _check(
+            math.isfinite(self.dist_timeout_s) and self.dist_timeout_s > 0,
+            "trainer.dist_timeout_s",
+            "must be a finite number of seconds > 0.",
+        )
+        _check(self.max_consecutive_skips >= 0, "trainer.max_consecutive_skips", "must be >= 0 (0 = never).")
         _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = only at the end).")
         _check(self.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 = keep all).")
         _check_choice(self.mixed_precision, ("no", "bf16", "fp16"), "trainer.mixed_precision")

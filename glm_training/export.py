@@ -297,7 +297,7 @@ def load_trained_weights(module: nn.Module, info: CheckpointInfo, *, use_ema: bo
 
 def _ema_state(info: CheckpointInfo, module: nn.Module, trained: dict[str, torch.Tensor]) -> dict:
     """The EMA shadow parameters by name (diffusers' `EMAModel` keeps a list, in `parameters()` order)."""
-    ema = torch.load(info.path / EMA_FILE, map_location="cpu", weights_only=False)
+    ema = torch.load(info.path / EMA_FILE, map_location="cpu", weights_only=True)
     shadow = ema.get("shadow_params") if isinstance(ema, dict) else None
     # The EMA was built over the parameters that train, which are exactly those the checkpoint stores.
     names = [name for name, _ in module.named_parameters() if name in trained]
