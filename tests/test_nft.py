@@ -128,12 +128,22 @@ def test_weight_floor():
 
 def test_velocity_kl():
     # mean([1 - 0, 3 - 1]^2) = mean([1, 4]) = 2.5
-    torch.testing.assert_close(velocity_kl(torch.tensor([[1.0, 3.0]]), torch.tensor([[0.0, 1.0]])), torch.tensor([2.5]))
+    torch.testing.assert_close(
+        velocity_kl(torch.tensor([[1.0, 3.0]]), torch.tensor([[0.0, 1.0]])), torch.tensor([2.5])
+    )
 
 
 @pytest.mark.parametrize(
     ("steps", "decay_type", "expected"),
-    [(0, 1, 0.0), (100, 1, 0.1), (2000, 1, 0.5), (74, 2, 0.0), (75, 2, 0.0), (76, 2, 0.0075), (999, 2, 0.999)],
+    [
+        (0, 1, 0.0),
+        (100, 1, 0.1),
+        (2000, 1, 0.5),
+        (74, 2, 0.0),
+        (75, 2, 0.0),
+        (76, 2, 0.0075),
+        (999, 2, 0.999),
+    ],
 )
 def test_old_model_decay_schedules(steps, decay_type, expected):
     assert old_model_decay(steps, decay_type) == pytest.approx(expected)

@@ -72,9 +72,9 @@ def noised_latents(x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
 def adaptive_x0_loss(velocity: Tensor, x_t: Tensor, x0: Tensor, t: Tensor) -> Tensor:
     """[B] adaptively weighted x_0 error of a velocity: mean((x0_hat - x0)^2 / w), x0_hat = x_t - t v.
 
-    w = mean over the sample's elements of |x0_hat - x0| (float64, detached, floored at 1e-5), so each sample's
-    loss has gradient scale ~1 whatever its noise level or difficulty. velocity, x_t, x0: [B, ...]; t: [B].
-    Reduction: mean over every non-batch element.
+    w = mean over the sample's elements of |x0_hat - x0| (float64, detached, floored at 1e-5), so each
+    sample's loss has gradient scale ~1 whatever its noise level or difficulty.
+    velocity, x_t, x0: [B, ...]; t: [B]. Reduction: mean over every non-batch element.
     """
     dims = tuple(range(1, x0.ndim))
     t = t.float().view(-1, *([1] * (x0.ndim - 1)))
@@ -122,7 +122,9 @@ def train_time_indices(
     The reference trains each sample at `int(num_steps * timestep_fraction)` of its sampling schedule's
     times, shuffled per sample, each with fresh noise.
     """
-    return torch.stack([torch.randperm(num_steps, generator=generator)[:num_train_steps] for _ in range(num_samples)])
+    return torch.stack(
+        [torch.randperm(num_steps, generator=generator)[:num_train_steps] for _ in range(num_samples)]
+    )
 
 
 @torch.no_grad()
