@@ -135,3 +135,41 @@ def test_algo_name_selects_the_schema_and_errors_name_the_fix():
         load_config(["--config", "configs/nft_training.yaml", "algo.decay_type=3"], "t2i_training")
     with pytest.raises(ConfigError, match="algo.nft_beta"):
         load_config(["--config", "configs/nft_training.yaml", "algo.nft_beta=0"], "t2i_training")
+
+
+@pytest.mark.parametrize("guidance", [1.0])  # CFG-free, as NFT samples; CFG shares `predict_velocity`
+def test_nft_rollout_is_the_pipelines_ode_and_keeps_only_final_latents(tiny_model_dir, guidance):
+    from diffusers import GlmImagePipeline
+
+    from glm_training.rollout.dit import build_guidance_inputs, glm_image_schedule
+    from glm_training.rollout.nft import keep_for_update, sample_ode
+
+    pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    prompts = ["a sign that says 'OPEN'"] * 2
+    prior, _, _ = pipe.generate_prior_tokens(
+        prompt=prompts[:1], height=64, width=64, generator=torch.Generator().manual_seed(0)
+    )
+    prior = prior.repeat(2, 1)
+    latents = torch.randn(
+        (2, pipe.transformer.config.in_channels, 8, 8), generator=torch.Generator().manual_seed(1)
+    )
+    expected = pipe(
+        prompt=prompts,
+        prior_token_ids=prior,
+        latents=latents.clone(),
+        height=64,
+        width=64,
+        num_inference_steps=5,
+        guidance_scale=guidance,
+        output_type="latent",
+    ).images
+    timesteps, sigmas = glm_image_schedule(pipe, 5, 64, 64)
+    cond = build_guidance_inputs(pipe, prompts, prior, 64, 64, guidance, torch.device("cpu"), torch.float32)
+    final = sample_ode(pipe.transformer, latents.clone(), cond, timesteps, sigmas, guidance_scale=guidance)
+    torch.testing.assert_close(final, expected, rtol=0, atol=0)
+    kept = keep_for_update(cond, final)
+    assert kept.cond.negative_embeds is None and torch.equal(kept.final_latents, final)
+    assert kept.num_bytes() == final.numel() * 4 + sum(
+        t.numel() * t.element_size()
+        for t in (cond.prompt_embeds, cond.prior_token_ids, cond.target_size, cond.crop_coords)
+    )
