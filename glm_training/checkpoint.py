@@ -186,8 +186,13 @@ def save_checkpoint(
     rank: int,
     is_main: bool,
     barrier,
+    extra_files: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state)."""
+    """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state).
+
+    `extra_files` ({file name: object for `torch.save`}) is a trainer's own state (e.g. DiffusionNFT's old
+    model), written inside the same atomic folder.
+    """
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if is_main:
@@ -203,6 +208,8 @@ def save_checkpoint(
         torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
         if ema_state is not None:
             torch.save(ema_state, tmp / "ema.pt")
+        for name, state in (extra_files or {}).items():
+            torch.save(state, tmp / name)
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
     barrier()
     if is_main:

@@ -402,6 +402,8 @@ class FlowGRPOConfig:
     Log-probs are means over latent elements, hence the tiny clip range.
     """
 
+    # The DiT's RL algorithm; DiffusionNFT has its own schema (`nft_schema`, configs/nft_training.yaml).
+    name: str = "flow_grpo"
     # KL coefficient. With kl_type=flow_grpo Flow-GRPO's values mean the same here: 0.04 (GenEval / OCR),
     # 0.01 (PickScore), 0 (its Fast recipes).
     beta: float = 0.0
@@ -430,6 +432,11 @@ class FlowGRPOConfig:
     ema_decay: float = 0.9
 
     def __post_init__(self) -> None:
+        _check(
+            self.name == "flow_grpo",
+            "algo.name",
+            f"'{self.name}' needs its own schema: for DiffusionNFT use --config configs/nft_training.yaml.",
+        )
         _check(self.beta >= 0, "algo.beta", "must be >= 0.")
         _check_choice(self.kl_type, ("flow_grpo", "exact", "velocity"), "algo.kl_type")
         _check(self.clip_range > 0, "algo.clip_range", "must be > 0.")
@@ -440,6 +447,59 @@ class FlowGRPOConfig:
         _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
         _check_choice(self.ratio_norm, ("none", "grpo_guard"), "algo.ratio_norm")
         _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT (arXiv 2509.16117); defaults are NVlabs' reference (`config/nft.py`, `train_nft_sd3.py`).
+
+    The rollout samples with the old model's ODE (`sampling.noise_level` and the SDE window keys are unused);
+    the update noises the clean latents again at `int(sampling.num_steps * timestep_fraction)` of the
+    schedule's times per sample and trains without CFG.
+    """
+
+    name: str = "nft"
+    # beta of the implicit policies v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta
+    # (the reference's `config.beta`: 1.0; 0.1 for OCR and multi-reward).
+    nft_beta: float = 1.0
+    # The old (sampling) model's EMA schedule, the reference's `decay_type`: 0 = the current model after
+    # every rollout; 1 = decay min(0.001 k, 0.5) after k optimizer steps (default); 2 = 0 for 75 steps,
+    # then min(0.0075 (k - 75), 0.999) (OCR).
+    decay_type: int = 1
+    # KL coefficient to the base model, beta * mean((v_theta - v_ref)^2) (the reference's `train.beta`).
+    beta: float = 1e-4
+    adv_clip_max: float = 5.0  # also the scale of r: r = clip(A) / adv_clip_max / 2 + 1/2
+    scale_rewards: str = "batch"  # the reference's per-prompt mean with the global std (global_std=True)
+    timestep_fraction: float = 0.99
+    num_inner_epochs: int = 1
+    num_mini_batches: int = 1  # optimizer steps per rollout (the reference: 1; OCR: 2)
+    # EMA of the policy for evaluation (the reference's `train.ema`, decay 0.9); not the old model.
+    ema: bool = True
+    ema_decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check(
+            self.name == "nft",
+            "algo.name",
+            f"the nft schema trains DiffusionNFT; for '{self.name}' use configs/t2i_training.yaml.",
+        )
+        _check(
+            self.nft_beta > 0,
+            "algo.nft_beta",
+            f"must be > 0 (the reference uses 1.0 or 0.1), got {self.nft_beta}.",
+        )
+        _check_choice(str(self.decay_type), ("0", "1", "2"), "algo.decay_type")
+        _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
+        _check_choice(self.scale_rewards, ("group", "batch", "none"), "algo.scale_rewards")
+        _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
+        _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
+        _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+
+    def num_train_times(self, num_steps: int) -> int:
+        """Training times per sample: the reference's int(num_steps * timestep_fraction), at least 1."""
+        return max(1, int(num_steps * self.timestep_fraction))
 
 
 @dataclass
@@ -568,6 +628,14 @@ class DiTTrainConfig:
 
 
 @dataclass
+class NFTTrainConfig(DiTTrainConfig):
+    """`python train_dit.py --config configs/nft_training.yaml`: DiffusionNFT on the GLM-Image DiT decoder."""
+
+    run_name: str = "nft"
+    algo: NFTConfig = field(default_factory=NFTConfig)  # type: ignore[assignment]
+
+
+@dataclass
 class ARTrainConfig:
     """`python train_ar.py`: GRPO/DAPO on the GLM-Image autoregressive token model."""
 
@@ -591,7 +659,13 @@ class ARTrainConfig:
         )
 
 
-SCHEMAS: dict[str, type] = {"dit_schema": DiTTrainConfig, "ar_schema": ARTrainConfig}
+SCHEMAS: dict[str, type] = {
+    "dit_schema": DiTTrainConfig,
+    "nft_schema": NFTTrainConfig,
+    "ar_schema": ARTrainConfig,
+}
+# `algo.name` of a saved DiT config -> its schema (configs saved before `algo.name` existed are Flow-GRPO).
+DIT_SCHEMAS: dict[str, type] = {"flow_grpo": DiTTrainConfig, "nft": NFTTrainConfig}
 
 
 def register_configs() -> None:
@@ -829,6 +903,10 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Any
     schema = {"dit": DiTTrainConfig, "ar": ARTrainConfig}.get(component)
     if schema is None:
         raise ConfigError("component", f"'{component}' in {path} is neither 'dit' nor 'ar'.")
+    if component == "dit":
+        algo_name = OmegaConf.select(saved, "algo.name", default="flow_grpo")
+        _check_choice(algo_name, tuple(DIT_SCHEMAS), "algo.name")
+        schema = DIT_SCHEMAS[algo_name]
     try:
         cfg = OmegaConf.merge(
             OmegaConf.structured(schema), saved, OmegaConf.from_dotlist(list(overrides or []))
@@ -885,6 +963,7 @@ __all__ = [
     "ConfigError",
     "DiTTrainConfig",
     "MISSING",
+    "NFTTrainConfig",
     "config_to_yaml",
     "load_config",
     "parse_command_line",

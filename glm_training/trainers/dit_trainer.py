@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ WINDOW_STARTS = {
 
 @dataclass
 class DiTRollout:
-    trajectories: list[DiTTrajectory]  # one per micro-batch, in sample order
+    trajectories: list[DiTTrajectory]  # one per micro-batch, in sample order (NFT: `NFTSamples`)
     timesteps: torch.Tensor  # [T]
     sigmas: torch.Tensor  # [T + 1]
     sde_window: tuple[int, int] = (0, 0)  # the schedule steps [start, end) that sampled with noise
@@ -111,26 +112,37 @@ class DiTTrainer(RewardTrainer):
             )
             latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=self.device)
             with self.policy_precision():
-                trajectories.append(
-                    sample_trajectory(
-                        self.trainable,
-                        latents.to(dtype),
-                        cond,
-                        timesteps,
-                        sigmas,
-                        guidance_scale=s.guidance_scale,
-                        noise_level=s.noise_level,
-                        sde_type=s.sde_type,
-                        sde_window=window,
-                        generator=generator,
-                        cps_log_prob=s.cps_log_prob,
-                        batched_cfg=s.batched_cfg,
-                    )
+                kept, final_latents = self.sample_chunk(
+                    latents.to(dtype), cond, timesteps, sigmas, window, generator
                 )
-            chunk_images = decode_latents(pipe, trajectories[-1].final_latents)
+            trajectories.append(kept)
+            chunk_images = decode_latents(pipe, final_latents)
             self.submit_chunk(scoring, chunk_images, chunk)
             images += chunk_images
         return DiTRollout(trajectories, timesteps, sigmas, window), images
+
+    def sample_chunk(self, latents, cond, timesteps, sigmas, window, generator) -> tuple[Any, torch.Tensor]:
+        """Sample one micro-batch from its initial latents [B, C, h, w].
+
+        Returns (what `_update` keeps of it, the final latents [B, C, h, w] to decode). Flow-GRPO keeps the
+        trajectory of the SDE window; `NFTTrainer` samples with its old model's ODE, keeps the final latents.
+        """
+        s = self.cfg.sampling
+        trajectory = sample_trajectory(
+            self.trainable,
+            latents,
+            cond,
+            timesteps,
+            sigmas,
+            guidance_scale=s.guidance_scale,
+            noise_level=s.noise_level,
+            sde_type=s.sde_type,
+            sde_window=window,
+            generator=generator,
+            cps_log_prob=s.cps_log_prob,
+            batched_cfg=s.batched_cfg,
+        )
+        return trajectory, trajectory.final_latents
 
     def sde_window(self, step: int) -> tuple[int, int]:
         """The schedule steps [start, end) that sample with noise at `step`.

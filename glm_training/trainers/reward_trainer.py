@@ -578,10 +578,15 @@ class RewardTrainer:
             rank=self.rank,
             is_main=self.is_main,
             barrier=dist.barrier,
+            extra_files=self.checkpoint_extras(),
         )
         if self.is_main:
             prune_checkpoints(self.output_dir, self.cfg.trainer.keep_last)
         dist.barrier()
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """A subclass's own state for bit-exact resume: {file name in the checkpoint: object to save}."""
+        return {}
 
     def _maybe_resume(self) -> int:
         resume = self.cfg.trainer.resume
