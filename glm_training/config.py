@@ -453,8 +453,9 @@ class FlowGRPOConfig:
 class NFTConfig:
     """DiffusionNFT (arXiv 2509.16117); defaults are NVlabs' reference (`config/nft.py`, `train_nft_sd3.py`).
 
-    The rollout samples with the old model's ODE (`sampling.noise_level` and the SDE window keys are unused);
-    the update noises the clean latents again at `int(sampling.num_steps * timestep_fraction)` of the
+    The rollout samples with the old model and the pipeline's own Euler ODE (the reference samples SD3 with
+    a deterministic 2nd-order DPM solver; `sampling.noise_level` and the SDE window keys are unused); the
+    update noises the clean latents again at `int(sampling.num_steps * timestep_fraction)` of the
     schedule's times per sample and trains without CFG.
     """
 
@@ -633,6 +634,16 @@ class NFTTrainConfig(DiTTrainConfig):
 
     run_name: str = "nft"
     algo: NFTConfig = field(default_factory=NFTConfig)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The old model is a copy of the unsharded trainable weights (or swapped into them): FSDP and
+        # DeepSpeed shard those, so only DDP keeps the old model's forward passes correct.
+        _check(
+            self.trainer.strategy == "ddp",
+            "trainer.strategy",
+            f"DiffusionNFT runs under ddp only, got '{self.trainer.strategy}'; set trainer.strategy=ddp.",
+        )
 
 
 @dataclass
