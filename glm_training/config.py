@@ -101,11 +101,12 @@ class ModelConfig:
     stage_timeout_s: float = 1800.0
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # Chaining the decoupled stages (README "Decoupled recipe"): trained weights of the *frozen* half, from
-    # an AR / DiT run folder, a checkpoint step folder (LoRA or full) or an export folder. ar_weights: the
-    # AR model the DiT trainer and `python -m glm_training.priors` sample prior tokens with; dit_weights:
-    # the DiT the AR trainer renders with. Empty = the base model's own weights.
+    # Chaining the decoupled stages (README "Decoupled recipe"): the AR model the DiT trainer and
+    # `python -m glm_training.priors` sample prior tokens with, as an AR run folder, a checkpoint step folder
+    # (LoRA or full) or an export folder. Empty = the base model's own AR weights.
     ar_weights: str = ""
+    # The DiT the AR trainer renders with, as a DiT run folder, a checkpoint step folder (LoRA or full) or an
+    # export folder. Empty = the base model's own DiT weights.
     dit_weights: str = ""
 
     def __post_init__(self) -> None:
