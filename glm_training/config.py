@@ -619,6 +619,9 @@ class DiTTrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
+        self._check_algo_with_sampling()
+
+    def _check_algo_with_sampling(self) -> None:
         # GRPO-Guard's re-centring assumes Gaussian log-probs; Flow-GRPO's CPS log-prob has no 1 / (2 std^2).
         _check(
             self.algo.ratio_norm != "grpo_guard"
@@ -635,6 +638,9 @@ class NFTTrainConfig(DiTTrainConfig):
 
     run_name: str = "nft"
     algo: NFTConfig = field(default_factory=NFTConfig)  # type: ignore[assignment]
+
+    def _check_algo_with_sampling(self) -> None:
+        pass  # NFT samples with the ODE: no log-probs, so no GRPO-Guard
 
     def __post_init__(self) -> None:
         super().__post_init__()
