@@ -89,11 +89,11 @@ def child(args: argparse.Namespace) -> dict:
         trainer._update(trainer._collect(0), 0)  # warm-up
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        collect, update = [], []
+        collect, update, cpu = [], [], []
         load = BackgroundLoad()
         for step in range(1, args.train_steps + 1):
             sync(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             batch = trainer._collect(step)
             sync(device)
             middle = time.perf_counter()
@@ -101,10 +101,12 @@ def child(args: argparse.Namespace) -> dict:
             sync(device)
             collect.append(middle - start)
             update.append(time.perf_counter() - middle)
+            cpu.append(time.process_time() - cpu_start)
         return {
             "variant": args.child,
             "collect_s": collect,
             "update_s": update,
+            "cpu_s": cpu,
             "memory_after_load_mib": loaded,
             "peak_memory_mib": peak_memory_mib(device),
             "ar_loaded": ar is not None,
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         update = [x for r in rs for x in r["update_s"]]
         steps = [c + u for r in rs for c, u in zip(r["collect_s"], r["update_s"])]
         return {
+            # CPU seconds of this process per step: what a shared machine disturbs least (no waiting).
+            "step_cpu_median_s": statistics.median(x for r in rs for x in r["cpu_s"]),
             "collect_median_s": statistics.median(collect),
             "update_median_s": statistics.median(update),
             "step_median_s": statistics.median(steps),
@@ -180,12 +184,16 @@ def main(argv: list[str] | None = None) -> int:
         "cached": cached,
         "step_speedup": live["step_median_s"] / cached["step_median_s"],
         "collect_speedup": live["collect_median_s"] / cached["collect_median_s"],
+        "step_cpu_speedup": live["step_cpu_median_s"] / cached["step_cpu_median_s"],
         "memory_saved_after_load_mib": live["memory_after_load_mib"] - cached["memory_after_load_mib"],
         "target_speedup": TARGET,
     }
     print(json.dumps(result, indent=2))
     verdict = "meets" if result["step_speedup"] >= TARGET else "MISSES"
-    print(f"cached step {result['step_speedup']:.1f}x cheaper than live: {verdict} the {TARGET:g}x target")
+    print(
+        f"cached step {result['step_speedup']:.1f}x cheaper than live in wall time, "
+        f"{result['step_cpu_speedup']:.1f}x in CPU time: {verdict} the {TARGET:g}x target (wall)"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -288,3 +288,25 @@ def test_a_two_rank_build_equals_a_one_rank_build(tmp_path, prompt_file, cache_d
     assert names == sorted(p.name for p in (out / SHARD_DIR).iterdir()) and len(names) == 4
     for name in names:
         assert (out / SHARD_DIR / name).read_bytes() == (cache_dir / SHARD_DIR / name).read_bytes(), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_train_in_step_on_the_cache(tmp_path, prompt_file, cache_dir):
+    # 3 groups x 2 generations over 2 ranks: group 1 straddles them and must decode the same cached row.
+    args = [
+        str(tmp_path),
+        *small_args(prompt_file),
+        "data.num_groups_per_step=3",
+        "data.num_generations=2",
+        f"data.prior_cache={cache_dir}",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    result = torchrun(str(REPO / "tests" / "scripts" / "dist_dit_check.py"), args, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stderr.count("[load] vision_language_encoder: not loaded") >= 1
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["group_ids"] == [0, 0, 1] and r1["group_ids"] == [1, 2, 2]
+    assert r0["prior_tokens"][2] == r1["prior_tokens"][0]
+    assert r0["approx_kl"] == 0.0 and r1["approx_kl"] == 0.0
+    assert r0["checksum_after_step"] == r1["checksum_after_step"]
