@@ -2,6 +2,7 @@
 
     HF_HUB_OFFLINE=1 python benchmarks/bench_priors.py                 # tiny model, 64x64, CPU or CUDA
     python benchmarks/bench_priors.py --height 128 --width 128 --json out.json
+    python benchmarks/bench_priors.py --set sampling.sde_window_size=2 --set 'sampling.sde_window_range=[0,5]'
 
 1. Builds a prior cache (`glm_training.priors.build_cache`) for the benchmark's config and times it (the
    one-off cost the cache moves out of training).
@@ -50,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=5, help="timed steps per process, after one warm-up")
     p.add_argument("--rounds", type=int, default=2, help="live/cached process pairs")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for both variants, e.g. --set sampling.sde_window_size=2 (repeatable)",
+    )
     p.add_argument("--child", choices=("live", "cached"), help=argparse.SUPPRESS)
     p.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -67,6 +75,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         f"sampling.micro_batch_size={args.groups * args.generations}",
         f"data.num_groups_per_step={args.groups}",
         f"data.num_generations={args.generations}",
+        *args.set,
     ]
 
 
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"--groups={args.groups}",
                     f"--generations={args.generations}",
                     f"--train-steps={args.train_steps}",
+                    *(f"--set={kv}" for kv in args.set),
                 ]
                 subprocess.run(cmd, check=True, capture_output=True)
                 runs[variant].append(json.loads(out.read_text()))
