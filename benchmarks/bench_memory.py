@@ -17,7 +17,6 @@ the peak RSS during the step minus the RSS before loading (VmHWM, reset after lo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glm_training.config import load_config  # noqa: E402
+from glm_training.plan import saved_tensor_bytes  # noqa: E402
 
 GIB = 1024**3
 
@@ -41,31 +41,15 @@ def rss_bytes(field: str = "VmRSS") -> int:
     raise RuntimeError(field)
 
 
-@contextlib.contextmanager
-def count_saved_bytes(params):
-    """Bytes of the distinct storages autograd saves for backward, parameters excluded."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in param_ptrs and ptr not in seen:
-            seen[ptr] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield seen
-
-
 def dit_inputs(transformer, batch: int, size: int):
     h = size // 8
     tokens = (h // 2) ** 2
     g = torch.Generator().manual_seed(0)
     return dict(
         hidden_states=torch.randn(batch, 16, h, h, generator=g, dtype=torch.bfloat16),
-        encoder_hidden_states=torch.randn(batch, 16, transformer.config.text_embed_dim, generator=g,
-                                          dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(
+            batch, 16, transformer.config.text_embed_dim, generator=g, dtype=torch.bfloat16
+        ),
         prior_token_id=torch.randint(0, 16384, (batch, tokens), generator=g),
         prior_token_drop=torch.zeros(batch, tokens, dtype=torch.bool),
         timestep=torch.full((batch,), 500.0),
@@ -102,8 +86,9 @@ def ar_loss(ar, inputs):
 def _lora(module, component):
     from glm_training.models.wrapper import add_lora_adapters
 
-    cfg = load_config(config="ar_training" if component == "ar" else "t2i_training",
-                      overrides=["model=glm_image_shape"])
+    cfg = load_config(
+        config="ar_training" if component == "ar" else "t2i_training", overrides=["model=glm_image_shape"]
+    )
     add_lora_adapters(module, cfg.model.lora)
     return cfg
 
@@ -127,7 +112,10 @@ def calibrate(size: int = 256) -> dict:
         inputs = dit_inputs(module, 1, size) if component == "dit" else ar_inputs(module, 1, size)
         loss_fn = dit_loss if component == "dit" else ar_loss
         if component == "dit":
-            tokens, width = (size // 16) ** 2, module.config.num_attention_heads * module.config.attention_head_dim
+            tokens, width = (
+                (size // 16) ** 2,
+                module.config.num_attention_heads * module.config.attention_head_dim,
+            )
         else:
             tokens, width = inputs[0].shape[1], module.config.text_config.hidden_size
         figures = {}
@@ -140,14 +128,16 @@ def calibrate(size: int = 256) -> dict:
                 if component == "ar":
                     module.config.text_config.num_hidden_layers = n
                     layers_owner.config.num_hidden_layers = n
-                with count_saved_bytes(list(module.parameters())) as seen:
+                with saved_tensor_bytes(list(module.parameters())) as seen:
                     loss = loss_fn(module, inputs)
                 saved.append(sum(seen.values()))
                 del loss
             per_layer = saved[1] - saved[0]
             figures["ckpt" if ckpt else "full"] = {
-                "saved_1_layer": saved[0], "saved_2_layers": saved[1],
-                "coef_per_layer": per_layer / (tokens * width), "base_bytes": saved[0] - per_layer,
+                "saved_1_layer": saved[0],
+                "saved_2_layers": saved[1],
+                "coef_per_layer": per_layer / (tokens * width),
+                "base_bytes": saved[0] - per_layer,
             }
         out[component] = {"size": size, "tokens": tokens, "width": width, **figures}
     return out
@@ -183,9 +173,13 @@ def run_case(component: str, size: int, num_layers: int, checkpointing: bool, ba
     measured = rss_bytes("VmHWM") - before
 
     overrides = [
-        "model=glm_image_shape", f"model.shape_num_ar_layers={num_layers}", f"model.shape_num_dit_layers={num_layers}",
-        f"model.gradient_checkpointing={str(checkpointing).lower()}", f"sampling.height={size}",
-        f"sampling.width={size}", "sampling.guidance_scale=1.0",
+        "model=glm_image_shape",
+        f"model.shape_num_ar_layers={num_layers}",
+        f"model.shape_num_dit_layers={num_layers}",
+        f"model.gradient_checkpointing={str(checkpointing).lower()}",
+        f"sampling.height={size}",
+        f"sampling.width={size}",
+        "sampling.guidance_scale=1.0",
         f"{'sampling' if component == 'dit' else 'algo'}.micro_batch_size={batch}",
     ]
     cfg = load_config(config="ar_training" if component == "ar" else "t2i_training", overrides=overrides)
@@ -194,16 +188,51 @@ def run_case(component: str, size: int, num_layers: int, checkpointing: bool, ba
     static = sum(t.bytes for t in plan.static if not t.name.startswith(("trajectory", "reward", "overhead")))
     predicted = static + plan.activations.bytes
     return {
-        "component": component, "size": size, "num_layers": num_layers, "checkpointing": checkpointing,
-        "batch": batch, "measured_gib": measured / GIB, "planned_gib": predicted / GIB,
-        "error": predicted / measured - 1, "step_s": step_s,
+        "component": component,
+        "size": size,
+        "num_layers": num_layers,
+        "checkpointing": checkpointing,
+        "batch": batch,
+        "measured_gib": measured / GIB,
+        "planned_gib": predicted / GIB,
+        "error": predicted / measured - 1,
+        "step_s": step_s,
+    }
+
+
+def vae_case(size: int, batch: int) -> dict:
+    """Peak RSS of decoding `batch` latents to `size`² images with the fixture's (real-layout) VAE, bf16."""
+    from diffusers import AutoencoderKL
+
+    from glm_training.models.shape import ensure_shape_pipeline
+    from glm_training.plan import VAE_DECODE_BYTES_PER_PIXEL
+
+    vae = AutoencoderKL.from_pretrained(ensure_shape_pipeline(1, 1) / "vae", dtype=torch.bfloat16).eval()
+    latents = torch.randn(batch, 16, size // 8, size // 8, dtype=torch.bfloat16)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss_bytes()
+    with torch.no_grad():
+        vae.decode(latents, return_dict=False)
+    measured = rss_bytes("VmHWM") - before
+    return {
+        "size": size,
+        "batch": batch,
+        "measured_gib": measured / GIB,
+        "bytes_per_pixel": measured / (batch * size * size),
+        "planned_gib": VAE_DECODE_BYTES_PER_PIXEL * batch * size * size / GIB,
     }
 
 
 CASES = [  # (component, size, layers, checkpointing)
-    ("dit", 512, 1, False), ("dit", 1024, 1, False), ("dit", 512, 2, False), ("dit", 1024, 2, False),
+    ("dit", 512, 1, False),
+    ("dit", 1024, 1, False),
+    ("dit", 512, 2, False),
+    ("dit", 1024, 2, False),
     ("dit", 1024, 2, True),
-    ("ar", 512, 1, False), ("ar", 1024, 1, False), ("ar", 512, 2, False), ("ar", 1024, 2, False),
+    ("ar", 512, 1, False),
+    ("ar", 1024, 1, False),
+    ("ar", 512, 2, False),
+    ("ar", 1024, 2, False),
     ("ar", 1024, 2, True),
 ]
 
@@ -211,6 +240,7 @@ CASES = [  # (component, size, layers, checkpointing)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--vae", action="store_true", help="the rollout's VAE decode peak at --size")
     parser.add_argument("--all", action="store_true")
     parser.add_argument("--component", choices=("dit", "ar"), default="dit")
     parser.add_argument("--size", type=int, default=512)
@@ -220,16 +250,32 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.calibrate:
-        print(json.dumps(calibrate(), indent=1))
+        print(json.dumps(calibrate(args.size), indent=1))
+    elif args.vae:
+        print(json.dumps(vae_case(args.size, args.batch)))
     elif args.all:
         for component, size, layers, ckpt in CASES:
-            cmd = [sys.executable, __file__, "--component", component, "--size", str(size),
-                   "--num-layers", str(layers), "--batch", str(args.batch)] + (["--checkpointing"] if ckpt else [])
+            cmd = [
+                sys.executable,
+                __file__,
+                "--component",
+                component,
+                "--size",
+                str(size),
+                "--num-layers",
+                str(layers),
+                "--batch",
+                str(args.batch),
+            ] + (["--checkpointing"] if ckpt else [])
             result = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-            print(result.stdout.strip().splitlines()[-1] if result.returncode == 0 else result.stderr[-2000:],
-                  flush=True)
+            print(
+                result.stdout.strip().splitlines()[-1] if result.returncode == 0 else result.stderr[-2000:],
+                flush=True,
+            )
     else:
-        print(json.dumps(run_case(args.component, args.size, args.num_layers, args.checkpointing, args.batch)))
+        print(
+            json.dumps(run_case(args.component, args.size, args.num_layers, args.checkpointing, args.batch))
+        )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ at a time (two with prefetching), which the plan adds back. Frozen components ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import logging
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,14 +46,18 @@ logger = logging.getLogger("glm_training")
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# Bytes saved for backward per token per unit of hidden width by ONE layer in a bf16-autocast training
-# forward, measured with saved-tensor hooks on the real-width fixture (bench_memory.py --calibrate, 2-core
-# CPU, torch 2.13; see docs/benchmarks.md). LoRA on the attention projections; full fine-tuning saves about the
-# same (the same inputs of every linear layer are kept).
-ACT_COEF = {"dit": 47.0, "ar": 41.0}
-# With gradient checkpointing each layer keeps only its input (hidden states, in the autocast dtype, plus the
-# float32 residual stream of the DiT), and one layer's activations exist during its recompute.
-CKPT_COEF = {"dit": 6.0, "ar": 4.0}
+# Bytes saved for backward per token per unit of hidden width by ONE layer in a bf16-autocast LoRA training
+# forward, measured with saved-tensor hooks on the real-width fixture (`bench_memory.py --calibrate`; 2-core
+# CPU, torch 2.13): DiT 35.0 at 256² (256 tokens), 32.9 at 512² (1024 tokens); AR 48.9 (384 tokens), 48.7
+# (576 tokens). Linear in the tokens: attention saves no tokens x tokens matrix (flash kernels on GPU and
+# CPU). Full fine-tuning saves the same inputs of every linear layer.
+ACT_COEF = {"dit": 34.0, "ar": 48.8}
+# With gradient checkpointing a layer keeps only its bf16 input (2 bytes; measured 2.0 to 2.1), and one
+# layer's full activations exist during its recompute (added in `build_plan`).
+CKPT_COEF = {"dit": 2.1, "ar": 2.0}
+# The AR loss keeps the float32 log-softmax over the image vocabulary of every scored token (measured: exactly
+# one copy saved); its gradient is a second copy during backward.
+AR_LOGIT_COPIES = 2
 # Rollout: the VAE decode's transient peak per output pixel (bytes), measured on the fixture's VAE in bf16.
 VAE_DECODE_BYTES_PER_PIXEL = 2400.0
 # Reward models' approximate parameter counts (weights on each rank; float32 unless configured otherwise).
@@ -99,7 +103,9 @@ class MemoryPlan:
 
     @property
     def peak(self) -> float:
-        transient = max(self.activations.bytes if self.activations else 0, self.rollout.bytes if self.rollout else 0)
+        transient = max(
+            self.activations.bytes if self.activations else 0, self.rollout.bytes if self.rollout else 0
+        )
         return sum(t.bytes for t in self.static) + transient
 
     def largest(self, n: int = 3) -> list[Term]:
@@ -129,6 +135,24 @@ def _gib(n: float | None) -> str:
     return f"{(n or 0) / GIB:.2f} GiB"
 
 
+@contextlib.contextmanager
+def saved_tensor_bytes(params):
+    """Yield a dict {storage pointer: bytes} of the distinct storages autograd saves for backward inside the
+    block, the given parameters excluded: the activations a training forward keeps alive until backward."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in param_ptrs and ptr not in seen:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
 # -------------------------------------------------------------------------------------------------------
 # Component configs -> meta modules
 
@@ -156,7 +180,9 @@ def meta_components(model_cfg: Any) -> dict[str, nn.Module]:
                     shape.glm_image_config(num_ar, shape.REAL_NUM_VISION_LAYERS if real else 1)
                 ),
                 "transformer": GlmImageTransformer2DModel(**shape.dit_config(num_dit)),
-                "text_encoder": T5EncoderModel(shape.glyph_config(shape.REAL_NUM_GLYPH_LAYERS if real else 1)),
+                "text_encoder": T5EncoderModel(
+                    shape.glyph_config(shape.REAL_NUM_GLYPH_LAYERS if real else 1)
+                ),
                 "vae": AutoencoderKL(**shape.VAE_CONFIG),
             }
         from glm_training.models.wrapper import resolve_model_path
@@ -185,7 +211,9 @@ def lora_params(module: nn.Module, targets: list[str], rank: int) -> int:
     rule: the full name, or its last components, equal the target)."""
     total = 0
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.Linear) and any(name == t or name.endswith("." + t) or fnmatch.fnmatch(name, t) for t in targets):
+        if isinstance(sub, nn.Linear) and any(
+            name == t or name.endswith("." + t) or fnmatch.fnmatch(name, t) for t in targets
+        ):
             total += rank * (sub.in_features + sub.out_features)
     return total
 
@@ -205,10 +233,12 @@ def _layers(component: str, module: nn.Module) -> nn.ModuleList:
 # The plan
 
 
-def sequence_tokens(component: str, height: int, width: int, modules: dict[str, nn.Module]) -> tuple[int, int]:
+def sequence_tokens(
+    component: str, height: int, width: int, modules: dict[str, nn.Module]
+) -> tuple[int, int]:
     """(tokens per sample of the trained forward, tokens whose logits are scored) at `height x width`."""
-    dit = modules["transformer"].config
     if component == "dit":
+        dit = modules["transformer"].config
         vae_factor = 2 ** (len(modules["vae"].config.block_out_channels) - 1)
         latent_tokens = (height // vae_factor // dit.patch_size) * (width // vae_factor // dit.patch_size)
         return latent_tokens, 0
@@ -218,7 +248,11 @@ def sequence_tokens(component: str, height: int, width: int, modules: dict[str, 
 
 
 def build_plan(
-    cfg: Any, *, world_size: int = 1, strategy: str | None = None, device_bytes: int | None = None,
+    cfg: Any,
+    *,
+    world_size: int = 1,
+    strategy: str | None = None,
+    device_bytes: int | None = None,
     modules: dict[str, nn.Module] | None = None,
 ) -> MemoryPlan:
     """The per-rank plan of a DiT or AR training config (`cfg.component`)."""
@@ -229,15 +263,21 @@ def build_plan(
     modules = modules if modules is not None else meta_components(m)
     wbytes = DTYPE_BYTES[m.dtype]
     trained_name = TRAINABLE[component]
-    plan = MemoryPlan(component, strategy if world_size > 1 else "single process", world_size,
-                      device_bytes=device_bytes)
+    plan = MemoryPlan(
+        component, strategy if world_size > 1 else "single process", world_size, device_bytes=device_bytes
+    )
 
     for name, module in modules.items():
         n = _numel(module)
         sharded = name == trained_name and shard > 1 and not m.lora.enabled
         where = f"1/{shard} shard per rank" if sharded else "replicated"
-        plan.static.append(Term(f"weights: {name}", n * wbytes / (shard if sharded else 1),
-                                f"{n / 1e9:.2f}B params, {m.dtype}, {where}"))
+        plan.static.append(
+            Term(
+                f"weights: {name}",
+                n * wbytes / (shard if sharded else 1),
+                f"{n / 1e9:.2f}B params, {m.dtype}, {where}",
+            )
+        )
     trained = modules[trained_name]
     parts = _trained_parts(component, trained)
     layers = _layers(component, trained)
@@ -250,16 +290,26 @@ def build_plan(
         n_train = sum(_numel(p) for p in parts)
         pbytes, kind = wbytes, f"full fine-tuning, {m.dtype} (counted in the weights above)"
     local = n_train / shard
-    plan.static.append(Term("gradients", local * pbytes, f"{n_train / 1e6:.1f}M trainable params{'' if shard == 1 else f', 1/{shard} per rank'}"))
+    plan.static.append(
+        Term(
+            "gradients",
+            local * pbytes,
+            f"{n_train / 1e6:.1f}M trainable params{'' if shard == 1 else f', 1/{shard} per rank'}",
+        )
+    )
     plan.static.append(Term("optimizer state (AdamW)", 2 * local * pbytes, "exp_avg + exp_avg_sq"))
     if getattr(cfg.algo, "ema", False):
         plan.static.append(Term("EMA copy", local * pbytes, ""))
     if not m.lora.enabled and cfg.algo.beta > 0:
-        plan.static.append(Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights"))
+        plan.static.append(
+            Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights")
+        )
     if shard > 1:
         # One unit gathered for compute and the next one prefetched (FSDP2's default).
         unit = _numel(layers[0]) if len(layers) else 0
-        plan.static.append(Term("FSDP gathered units", 2 * unit * wbytes, "one layer computing, one prefetched"))
+        plan.static.append(
+            Term("FSDP gathered units", 2 * unit * wbytes, "one layer computing, one prefetched")
+        )
 
     s = cfg.sampling
     height, width = s.height, s.width
@@ -271,17 +321,24 @@ def build_plan(
         latent = modules["vae"].config.latent_channels * (height // vae_factor) * (width // vae_factor)
         num_trained = max(1, round((s.window_end() - s.sde_window_start) * cfg.algo.timestep_fraction))
         samples = cfg.data.per_rank_samples(world_size)
-        plan.static.append(Term("trajectory buffers", samples * num_trained * 2 * latent * 4,
-                                f"{samples} samples x {num_trained} steps x 2 latents, float32"))
+        plan.static.append(
+            Term(
+                "trajectory buffers",
+                samples * num_trained * 2 * latent * 4,
+                f"{samples} samples x {num_trained} steps x 2 latents, float32",
+            )
+        )
         logits = 0.0
         decode_batch = s.micro_batch_size
     else:
         batch = cfg.algo.micro_batch_size
         width_h = trained.config.text_config.hidden_size
         samples = cfg.data.per_rank_samples(world_size)
-        plan.static.append(Term("trajectory buffers", samples * tokens * 8 * 4, "token ids, masks, positions"))
+        plan.static.append(
+            Term("trajectory buffers", samples * tokens * 8 * 4, "token ids, masks, positions")
+        )
         vocab = trained.config.text_config.vision_vocab_size
-        logits = batch * scored * vocab * 4 * 3  # logits, log-softmax and its gradient, float32
+        logits = batch * scored * vocab * 4 * AR_LOGIT_COPIES
         decode_batch = cfg.algo.micro_batch_size
     n_layers = len(layers)
     full = ACT_COEF[component] * n_layers * batch * tokens * width_h + logits
@@ -289,16 +346,26 @@ def build_plan(
     on, off = (ckpt, full) if m.gradient_checkpointing else (full, ckpt)
     what = f"{batch} x {tokens} tokens x {n_layers} layers"
     plan.activations = Term(
-        f"activations ({'with' if m.gradient_checkpointing else 'no'} checkpointing)", on, what)
+        f"activations ({'with' if m.gradient_checkpointing else 'no'} checkpointing)", on, what
+    )
     plan.activations_other = Term(
-        f"  (would be {'without' if m.gradient_checkpointing else 'with'} checkpointing)", off,
-        "not counted in the peak")
-    plan.rollout = Term("rollout VAE decode (transient)", VAE_DECODE_BYTES_PER_PIXEL * decode_batch * height * width
-                        * wbytes / 2, f"{decode_batch} images of {height}x{width}")
+        f"  (would be {'without' if m.gradient_checkpointing else 'with'} checkpointing)",
+        off,
+        "not counted in the peak",
+    )
+    plan.rollout = Term(
+        "rollout VAE decode (transient)",
+        VAE_DECODE_BYTES_PER_PIXEL * decode_batch * height * width * wbytes / 2,
+        f"{decode_batch} images of {height}x{width}",
+    )
     reward_params = sum(REWARD_PARAMS.get(n, 0) for n in cfg.reward.names)
     if reward_params:
-        plan.static.append(Term("reward models", reward_params * 4, ", ".join(cfg.reward.names) + " (approx.)"))
-    plan.static.append(Term("overhead", OVERHEAD_BYTES if device_bytes else 0, "CUDA context, allocator slack"))
+        plan.static.append(
+            Term("reward models", reward_params * 4, ", ".join(cfg.reward.names) + " (approx.)")
+        )
+    plan.static.append(
+        Term("overhead", OVERHEAD_BYTES if device_bytes else 0, "CUDA context, allocator slack")
+    )
     return plan
 
 
@@ -309,7 +376,8 @@ def check_fits(plan: MemoryPlan) -> None:
     top = "; ".join(f"{t.name} {_gib(t.bytes)}" for t in plan.largest())
     raise MemoryPlanError(
         f"this run is predicted to need {_gib(plan.peak)} per GPU but {_gib(plan.device_bytes)} is available "
-        f"(model.max_memory_fraction of the device). Largest terms: {top}. Fixes: LoRA (model.lora.enabled=true), "
+        f"(model.max_memory_fraction of the device). Largest terms: {top}. "
+        "Fixes: LoRA (model.lora.enabled=true), "
         "sharding (trainer.strategy=fsdp under torchrun), model.gradient_checkpointing=true, a smaller "
         "sampling.micro_batch_size / algo.micro_batch_size, or a smaller resolution. See "
         "`python -m glm_training.plan --config ...` for the whole table."
@@ -317,17 +385,22 @@ def check_fits(plan: MemoryPlan) -> None:
 
 
 def log_memory_plan(cfg: Any, accelerator: Any) -> MemoryPlan | None:
-    """Log the plan at the start of a run; on a GPU, stop before loading if it will not fit.
+    """Log the plan at the start of a run; on GPUs, stop before loading if it will not fit.
 
-    A model whose configs cannot be read offline (an unknown hub id not in the cache) gets a warning, not an
-    error: the plan is advice, loading decides.
+    The room is `model.max_memory_fraction` of this rank's GPU, or of all GPUs together when a single process
+    spreads the model with a device map. A model whose configs cannot be read offline (a hub id other than
+    zai-org/GLM-Image that is not a local folder) gets a warning, not an error: the plan is advice.
     """
     device_bytes = None
     if accelerator.device.type == "cuda":
-        props = torch.cuda.get_device_properties(accelerator.device)
-        device_bytes = int(props.total_memory * cfg.model.max_memory_fraction)
+        spread = accelerator.num_processes == 1 and cfg.model.device_map in ("auto", "balanced")
+        indices = range(torch.cuda.device_count()) if spread else [accelerator.device.index or 0]
+        total = sum(torch.cuda.get_device_properties(i).total_memory for i in indices)
+        device_bytes = int(total * cfg.model.max_memory_fraction)
     try:
-        plan = build_plan(cfg, world_size=accelerator.num_processes, device_bytes=device_bytes)
+        # Rank 0 first: reading the tiny model's configs builds it, and only rank 0 may (see _build_model).
+        with accelerator.main_process_first():
+            plan = build_plan(cfg, world_size=accelerator.num_processes, device_bytes=device_bytes)
     except (OSError, ValueError, KeyError) as err:
         logger.warning("[plan] no memory plan for model '%s': %s", cfg.model.name, err)
         return None
@@ -347,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gb", type=float, default=None, help="per-GPU memory to check against")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(["--config", args.config, *overrides], args.config)
-    device_bytes = int(args.gpu_memory_gb * 1e9 * cfg.model.max_memory_fraction) if args.gpu_memory_gb else None
+    device_bytes = (
+        int(args.gpu_memory_gb * 1e9 * cfg.model.max_memory_fraction) if args.gpu_memory_gb else None
+    )
     plan = build_plan(cfg, world_size=args.world_size, strategy=args.strategy, device_bytes=device_bytes)
     print(plan.table())
     if not plan.fits():

@@ -237,7 +237,11 @@ def build_shape_pipeline(
         torch.default_generator.manual_seed(seed * 1000 + 4)
         transformer = GlmImageTransformer2DModel(**dit_config(num_dit_layers))
     gen = ar.generation_config
-    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = PAD_TOKEN_ID, IMAGE_START_TOKEN_ID, IMAGE_END_TOKEN_ID
+    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = (
+        PAD_TOKEN_ID,
+        IMAGE_START_TOKEN_ID,
+        IMAGE_END_TOKEN_ID,
+    )
     gen.do_sample, gen.temperature, gen.top_p = True, tiny.AR_TEMPERATURE, tiny.AR_TOP_P
     for module in (text_encoder, ar, vae, transformer):
         module.eval()

@@ -205,7 +205,9 @@ def enable_gradient_checkpointing(module: nn.Module) -> int:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     module.activation_checkpointing_enable({"use_reentrant": False})
-    layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    layers = [
+        m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]
 
     def follow_grad_mode(layer: nn.Module, args) -> None:
         layer.training = torch.is_grad_enabled()

@@ -61,6 +61,7 @@ from glm_training.models.wrapper import (
     load_for_training,
     resolve_model_path,
 )
+from glm_training.plan import log_memory_plan
 from glm_training.rewards import RewardSet
 from glm_training.rewards.combine import RewardFuncs, ScoringQueue, rewards_from_python
 from glm_training.tracking import build_tracker
@@ -158,6 +159,7 @@ class RewardTrainer:
         if self.is_main:
             (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
 
+        self.memory_plan = log_memory_plan(cfg, self.accelerator)  # on GPUs: stops here if it cannot fit
         self.wrapper = self._build_model()
         self.trainable = self._setup_trainable(self.wrapper.trainable)
         self.wrapper.trainable = self.trainable
