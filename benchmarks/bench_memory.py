@@ -223,16 +223,45 @@ def vae_case(size: int, batch: int) -> dict:
     }
 
 
-CASES = [  # (component, size, layers, checkpointing)
-    ("dit", 512, 1, False),
-    ("dit", 1024, 1, False),
-    ("dit", 512, 2, False),
-    ("dit", 1024, 2, False),
+def real_table(gpu_gb: float = 80.0) -> str:
+    """Markdown: the plan of the real GLM-Image (from its configs) for docs/memory_plan.md."""
+    from glm_training.plan import build_plan, check_fits
+
+    room = int(gpu_gb * 1e9 * 0.9)
+    rows = [
+        "| run | size | 1 GPU | 8 GPUs, DDP | 8 GPUs, FSDP |",
+        "|---|---|---|---|---|",
+    ]
+    for component in ("dit", "ar"):
+        for lora in (True, False):
+            for size in (512, 1024):
+                overrides = [
+                    "model=glm_image", f"model.lora.enabled={str(lora).lower()}", f"sampling.height={size}",
+                    f"sampling.width={size}", "data.num_groups_per_step=8", "data.num_generations=8",
+                    "sampling.micro_batch_size=1" if component == "dit" else "algo.micro_batch_size=1",
+                ]
+                if component == "dit":
+                    overrides.append("sampling.num_steps=10")
+                cfg = load_config(config="t2i_training" if component == "dit" else "ar_training", overrides=overrides)
+                cells = []
+                for world, strategy in ((1, "ddp"), (8, "ddp"), (8, "fsdp")):
+                    plan = build_plan(cfg, world_size=world, strategy=strategy, device_bytes=room)
+                    try:
+                        check_fits(plan)
+                        mark = "fits"
+                    except Exception:
+                        mark = "**does not fit**"
+                    top = plan.largest(1)[0]
+                    cells.append(f"{plan.peak / GIB:.1f} GiB, {mark} (largest: {top.name} {top.bytes / GIB:.1f})")
+                name = f"{component.upper()} {'LoRA r32' if lora else 'full'}"
+                rows.append(f"| {name} | {size}² | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+CASES = [  # (component, size, layers, checkpointing): two sizes x two layer counts each, and checkpointing
+    ("dit", 512, 1, False), ("dit", 1024, 1, False), ("dit", 512, 2, False), ("dit", 1024, 2, False),
     ("dit", 1024, 2, True),
-    ("ar", 512, 1, False),
-    ("ar", 1024, 1, False),
-    ("ar", 512, 2, False),
-    ("ar", 1024, 2, False),
+    ("ar", 512, 1, False), ("ar", 1024, 1, False), ("ar", 512, 2, False), ("ar", 1024, 2, False),
     ("ar", 1024, 2, True),
 ]
 
@@ -241,6 +270,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--vae", action="store_true", help="the rollout's VAE decode peak at --size")
+    parser.add_argument("--real-table", action="store_true", help="docs/memory_plan.md's table (configs only)")
     parser.add_argument("--all", action="store_true")
     parser.add_argument("--component", choices=("dit", "ar"), default="dit")
     parser.add_argument("--size", type=int, default=512)
@@ -251,6 +281,8 @@ def main() -> None:
     torch.set_num_threads(2)
     if args.calibrate:
         print(json.dumps(calibrate(args.size), indent=1))
+    elif args.real_table:
+        print(real_table())
     elif args.vae:
         print(json.dumps(vae_case(args.size, args.batch)))
     elif args.all:

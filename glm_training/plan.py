@@ -58,8 +58,9 @@ CKPT_COEF = {"dit": 2.1, "ar": 2.0}
 # The AR loss keeps the float32 log-softmax over the image vocabulary of every scored token (measured: exactly
 # one copy saved); its gradient is a second copy during backward.
 AR_LOGIT_COPIES = 2
-# Rollout: the VAE decode's transient peak per output pixel (bytes), measured on the fixture's VAE in bf16.
-VAE_DECODE_BYTES_PER_PIXEL = 2400.0
+# Rollout: the VAE decode's transient peak per output pixel (bytes) with 2-byte weights, measured on the
+# fixture's VAE (CogView4 layout) in bf16 on CPU: 6046 at 512² (`bench_memory.py --vae`).
+VAE_DECODE_BYTES_PER_PIXEL = 6000.0
 # Reward models' approximate parameter counts (weights on each rank; float32 unless configured otherwise).
 REWARD_PARAMS = {
     "jpeg_compressibility": 0,
@@ -269,7 +270,7 @@ def build_plan(
 
     for name, module in modules.items():
         n = _numel(module)
-        sharded = name == trained_name and shard > 1 and not m.lora.enabled
+        sharded = name == trained_name and shard > 1  # LoRA too: fully_shard shards frozen base weights
         where = f"1/{shard} shard per rank" if sharded else "replicated"
         plan.static.append(
             Term(
