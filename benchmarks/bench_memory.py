@@ -205,7 +205,7 @@ def vae_case(size: int, batch: int) -> dict:
     from diffusers import AutoencoderKL
 
     from glm_training.models.shape import ensure_shape_pipeline
-    from glm_training.plan import VAE_DECODE_BYTES_PER_PIXEL
+    from glm_training.plan import VAE_DECODE_BYTES_PER_PIXEL_CHANNEL
 
     vae = AutoencoderKL.from_pretrained(ensure_shape_pipeline(1, 1) / "vae", dtype=torch.bfloat16).eval()
     latents = torch.randn(batch, 16, size // 8, size // 8, dtype=torch.bfloat16)
@@ -219,7 +219,12 @@ def vae_case(size: int, batch: int) -> dict:
         "batch": batch,
         "measured_gib": measured / GIB,
         "bytes_per_pixel": measured / (batch * size * size),
-        "planned_gib": VAE_DECODE_BYTES_PER_PIXEL * batch * size * size / GIB,
+        "planned_gib": VAE_DECODE_BYTES_PER_PIXEL_CHANNEL
+        * vae.config.block_out_channels[0]
+        * batch
+        * size
+        * size
+        / GIB,
     }
 
 
@@ -236,13 +241,19 @@ def real_table(gpu_gb: float = 80.0) -> str:
         for lora in (True, False):
             for size in (512, 1024):
                 overrides = [
-                    "model=glm_image", f"model.lora.enabled={str(lora).lower()}", f"sampling.height={size}",
-                    f"sampling.width={size}", "data.num_groups_per_step=8", "data.num_generations=8",
+                    "model=glm_image",
+                    f"model.lora.enabled={str(lora).lower()}",
+                    f"sampling.height={size}",
+                    f"sampling.width={size}",
+                    "data.num_groups_per_step=8",
+                    "data.num_generations=8",
                     "sampling.micro_batch_size=1" if component == "dit" else "algo.micro_batch_size=1",
                 ]
                 if component == "dit":
                     overrides.append("sampling.num_steps=10")
-                cfg = load_config(config="t2i_training" if component == "dit" else "ar_training", overrides=overrides)
+                cfg = load_config(
+                    config="t2i_training" if component == "dit" else "ar_training", overrides=overrides
+                )
                 cells = []
                 for world, strategy in ((1, "ddp"), (8, "ddp"), (8, "fsdp")):
                     plan = build_plan(cfg, world_size=world, strategy=strategy, device_bytes=room)
@@ -252,16 +263,24 @@ def real_table(gpu_gb: float = 80.0) -> str:
                     except Exception:
                         mark = "**does not fit**"
                     top = plan.largest(1)[0]
-                    cells.append(f"{plan.peak / GIB:.1f} GiB, {mark} (largest: {top.name} {top.bytes / GIB:.1f})")
+                    cells.append(
+                        f"{plan.peak / GIB:.1f} GiB, {mark} (largest: {top.name} {top.bytes / GIB:.1f})"
+                    )
                 name = f"{component.upper()} {'LoRA r32' if lora else 'full'}"
                 rows.append(f"| {name} | {size}² | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 CASES = [  # (component, size, layers, checkpointing): two sizes x two layer counts each, and checkpointing
-    ("dit", 512, 1, False), ("dit", 1024, 1, False), ("dit", 512, 2, False), ("dit", 1024, 2, False),
+    ("dit", 512, 1, False),
+    ("dit", 1024, 1, False),
+    ("dit", 512, 2, False),
+    ("dit", 1024, 2, False),
     ("dit", 1024, 2, True),
-    ("ar", 512, 1, False), ("ar", 1024, 1, False), ("ar", 512, 2, False), ("ar", 1024, 2, False),
+    ("ar", 512, 1, False),
+    ("ar", 1024, 1, False),
+    ("ar", 512, 2, False),
+    ("ar", 1024, 2, False),
     ("ar", 1024, 2, True),
 ]
 
@@ -270,7 +289,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--vae", action="store_true", help="the rollout's VAE decode peak at --size")
-    parser.add_argument("--real-table", action="store_true", help="docs/memory_plan.md's table (configs only)")
+    parser.add_argument(
+        "--real-table", action="store_true", help="docs/memory_plan.md's table (configs only)"
+    )
     parser.add_argument("--all", action="store_true")
     parser.add_argument("--component", choices=("dit", "ar"), default="dit")
     parser.add_argument("--size", type=int, default=512)

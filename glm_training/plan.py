@@ -58,9 +58,10 @@ CKPT_COEF = {"dit": 2.1, "ar": 2.0}
 # The AR loss keeps the float32 log-softmax over the image vocabulary of every scored token (measured: exactly
 # one copy saved); its gradient is a second copy during backward.
 AR_LOGIT_COPIES = 2
-# Rollout: the VAE decode's transient peak per output pixel (bytes) with 2-byte weights, measured on the
-# fixture's VAE (CogView4 layout) in bf16 on CPU: 6046 at 512² (`bench_memory.py --vae`).
-VAE_DECODE_BYTES_PER_PIXEL = 6000.0
+# Rollout: the VAE decode's transient peak per output pixel (bytes) per channel of its full-resolution stage
+# (block_out_channels[0]), 2-byte weights: measured on the fixture's VAE (CogView4 layout, 128 channels) in bf16
+# on CPU, 6046 bytes a pixel at 512² (`bench_memory.py --vae`), i.e. 47 per channel.
+VAE_DECODE_BYTES_PER_PIXEL_CHANNEL = 47.0
 # Reward models' approximate parameter counts (weights on each rank; float32 unless configured otherwise).
 REWARD_PARAMS = {
     "jpeg_compressibility": 0,
@@ -130,6 +131,10 @@ class MemoryPlan:
     def summary(self) -> str:
         top = ", ".join(f"{t.name} {_gib(t.bytes)}" for t in self.largest())
         return f"predicted peak {_gib(self.peak)} per rank ({top})"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _gib(n: float | None) -> str:
@@ -276,7 +281,7 @@ def build_plan(
             Term(
                 f"weights: {name}",
                 n * wbytes / (shard if sharded else 1),
-                f"{n / 1e9:.2f}B params, {m.dtype}, {where}",
+                f"{_count(n)} params, {m.dtype}, {where}",
             )
         )
     trained = modules[trained_name]
@@ -354,9 +359,10 @@ def build_plan(
         off,
         "not counted in the peak",
     )
+    vae_bytes_per_pixel = VAE_DECODE_BYTES_PER_PIXEL_CHANNEL * modules["vae"].config.block_out_channels[0]
     plan.rollout = Term(
         "rollout VAE decode (transient)",
-        VAE_DECODE_BYTES_PER_PIXEL * decode_batch * height * width * wbytes / 2,
+        vae_bytes_per_pixel * decode_batch * height * width * wbytes / 2,
         f"{decode_batch} images of {height}x{width}",
     )
     reward_params = sum(REWARD_PARAMS.get(n, 0) for n in cfg.reward.names)
