@@ -8,10 +8,11 @@
 by a bf16-autocast LoRA forward with 1 and 2 layers (the one block applied twice), with and without gradient
 checkpointing, and prints the per-layer coefficient in bytes per token per unit of width.
 
-A case loads the fixture with `from_pretrained` (bf16), adds the trainer's LoRA adapters, and runs one update
-(forward, backward, AdamW step) of one micro-batch at the given resolution, in a fresh subprocess. It reports
-the peak RSS during the step minus the RSS before loading (VmHWM, reset after loading via
-/proc/self/clear_refs) next to the plan's weights + trainable state + activations.
+A case loads the fixture with `from_pretrained` (bf16), copies the memory-mapped weights into process
+memory (as a move to the GPU would; otherwise only the pages a step reads count), adds the trainer's LoRA
+adapters, and runs one update (forward, backward, AdamW step) of one micro-batch at the given resolution, in
+a fresh subprocess. It reports the peak RSS during the step minus the RSS before loading (VmHWM, reset after
+loading via /proc/self/clear_refs) next to the plan's weights + trainable state + activations.
 """
 
 from __future__ import annotations
@@ -154,6 +155,11 @@ def run_case(component: str, size: int, num_layers: int, checkpointing: bool, ba
     folder = ensure_shape_pipeline(num_layers, num_layers)
     before = rss_bytes()
     pipe = GlmImagePipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    # from_pretrained maps the safetensors files: a page counts in RSS only once read, and a DiT step never
+    # reads the AR weights. Copy every weight into process memory, as a move to a GPU would.
+    for name in ("vision_language_encoder", "transformer", "text_encoder", "vae"):
+        for p in getattr(pipe, name).parameters():
+            p.data = p.data.clone()
     module = pipe.transformer if component == "dit" else pipe.vision_language_encoder
     cfg = _lora(module, component)
     module.eval()

@@ -59,8 +59,8 @@ CKPT_COEF = {"dit": 2.1, "ar": 2.0}
 # one copy saved); its gradient is a second copy during backward.
 AR_LOGIT_COPIES = 2
 # Rollout: the VAE decode's transient peak per output pixel (bytes) per channel of its full-resolution stage
-# (block_out_channels[0]), 2-byte weights: measured on the fixture's VAE (CogView4 layout, 128 channels) in bf16
-# on CPU, 6046 bytes a pixel at 512² (`bench_memory.py --vae`), i.e. 47 per channel.
+# (block_out_channels[0]), 2-byte weights: measured on the fixture's VAE (CogView4 layout, 128 channels) in
+# bf16 on CPU, 6046 bytes a pixel at 512² (`bench_memory.py --vae`), i.e. 47 per channel.
 VAE_DECODE_BYTES_PER_PIXEL_CHANNEL = 47.0
 # Reward models' approximate parameter counts (weights on each rank; float32 unless configured otherwise).
 REWARD_PARAMS = {
