@@ -45,7 +45,6 @@ import torch
 from diffusers import AutoencoderKL, GlmImagePipeline, GlmImageTransformer2DModel
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    ByT5Tokenizer,
     GlmImageConfig,
     GlmImageForConditionalGeneration,
     GlmImageImageProcessorPil,
@@ -243,17 +242,7 @@ def build_shape_pipeline(
         IMAGE_END_TOKEN_ID,
     )
     gen.do_sample, gen.temperature, gen.top_p = True, tiny.AR_TEMPERATURE, tiny.AR_TOP_P
-    for module in (text_encoder, ar, vae, transformer):
-        module.eval()
-    return GlmImagePipeline(
-        tokenizer=ByT5Tokenizer(),
-        processor=processor,
-        text_encoder=text_encoder,
-        vision_language_encoder=ar,
-        vae=vae,
-        transformer=transformer,
-        scheduler=tiny._build_scheduler(),
-    )
+    return tiny.assemble_pipeline(processor, text_encoder, ar, vae, transformer)
 
 
 def shape_folder_name(num_ar_layers: int, num_dit_layers: int, seed: int) -> str:

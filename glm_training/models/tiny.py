@@ -332,6 +332,12 @@ def build_tiny_pipeline(seed: int = 0) -> GlmImagePipeline:
         seed_component(4)
         transformer = _build_transformer()
 
+    return assemble_pipeline(processor, text_encoder, vision_language_encoder, vae, transformer)
+
+
+def assemble_pipeline(processor, text_encoder, vision_language_encoder, vae, transformer) -> GlmImagePipeline:
+    """The seven-component pipeline around built weight-holding components (in eval mode), with the
+    ByT5 glyph tokenizer and GLM-Image's scheduler."""
     for module in (text_encoder, vision_language_encoder, vae, transformer):
         module.eval()
     return GlmImagePipeline(
