@@ -22,8 +22,9 @@ Where each value comes from (checked against the checkpoint's config files throu
   ``google/byt5-small``'s encoder (12 layers, 6 heads x 64, gated-GELU FFN 3584, vocabulary 384), on which
   Glyph-ByT5 is built. NOT verified against GLM-Image's own ``text_encoder/config.json``.
 * ``vae``: 16 latent channels and scale factor 8 are verified (the pipeline's latent grid); the block widths
-  (128, 512, 1024, 1024) with 3 layers per block are CogView4's VAE, which the DiT descends from. NOT verified
-  against GLM-Image's own ``vae/config.json``.
+  (128, 512, 1024, 1024) with 3 layers per block are CogView4's VAE, which the DiT descends from, and the
+  per-channel latent statistics are neutral (mean 0, std 1). NOT verified against GLM-Image's own
+  ``vae/config.json``.
 
 The AR tokenizer is the tiny model's byte-level one plus the real special-token ids: the embedding keeps the
 real 168064 rows, the visual tokens sit at their real ids [0, 16386), the text bytes and specials at ids
@@ -56,7 +57,7 @@ from transformers import (
 
 from glm_training.models import tiny
 
-SHAPE_MODEL_VERSION: int = 1
+SHAPE_MODEL_VERSION: int = 2
 """Bump whenever a change here alters the saved folder; it is part of the cache directory name."""
 
 SHAPE_MODEL_NAME = "glm_image_shape"
@@ -145,6 +146,10 @@ VAE_CONFIG = {  # CogView4's VAE layout (not verified for GLM-Image); 16 latent 
     "sample_size": 1024,
     "scaling_factor": 1.0,
     "shift_factor": 0.0,
+    # The pipeline (de)normalises latents per channel with these; the real statistics are not verified, so the
+    # fixture uses the neutral ones.
+    "latents_mean": [0.0] * 16,
+    "latents_std": [1.0] * 16,
 }
 
 
