@@ -185,8 +185,13 @@ def run_case(component: str, size: int, num_layers: int, checkpointing: bool, ba
         f"model.gradient_checkpointing={str(checkpointing).lower()}",
         f"sampling.height={size}",
         f"sampling.width={size}",
-        "sampling.guidance_scale=1.0",
-        f"{'sampling' if component == 'dit' else 'algo'}.micro_batch_size={batch}",
+        # The measured step is one forward (no CFG pair) of `batch` samples.
+        *(
+            ["sampling.guidance_scale=1.0", f"sampling.micro_batch_size={batch}"]
+            if component == "dit"
+            else []
+        ),
+        *([f"algo.micro_batch_size={batch}"] if component == "ar" else []),
     ]
     cfg = load_config(config="ar_training" if component == "ar" else "t2i_training", overrides=overrides)
     plan = build_plan(cfg)
