@@ -175,8 +175,17 @@ def meta_components(model_cfg: Any) -> dict[str, nn.Module]:
     from glm_training.models import shape
 
     name = model_cfg.name
+    from_code = name == shape.SHAPE_MODEL_NAME or name.rstrip("/") == "zai-org/GLM-Image"
+    folder = None
+    if not from_code:
+        from glm_training.models.wrapper import resolve_model_path
+
+        # Outside the meta-device block: resolving "tiny" builds it (real tensors) on first use.
+        folder = Path(resolve_model_path(name, model_cfg.tiny_seed, model_cfg.shape_layers()))
+        if not (folder / "model_index.json").is_file():
+            raise FileNotFoundError(f"no local pipeline folder for '{name}' to read component configs from")
     with torch.device("meta"):
-        if name == shape.SHAPE_MODEL_NAME or name.rstrip("/") == "zai-org/GLM-Image":
+        if from_code:
             real = name != shape.SHAPE_MODEL_NAME
             num_ar, num_dit = (
                 (shape.REAL_NUM_AR_LAYERS, shape.REAL_NUM_DIT_LAYERS) if real else model_cfg.shape_layers()
@@ -191,11 +200,6 @@ def meta_components(model_cfg: Any) -> dict[str, nn.Module]:
                 ),
                 "vae": AutoencoderKL(**shape.VAE_CONFIG),
             }
-        from glm_training.models.wrapper import resolve_model_path
-
-        folder = Path(resolve_model_path(name, model_cfg.tiny_seed, model_cfg.shape_layers()))
-        if not (folder / "model_index.json").is_file():
-            raise FileNotFoundError(f"no local pipeline folder for '{name}' to read component configs from")
         return {
             "vision_language_encoder": GlmImageForConditionalGeneration(
                 AutoConfig.from_pretrained(folder / "vision_language_encoder")
@@ -404,12 +408,16 @@ def log_memory_plan(cfg: Any, accelerator: Any) -> MemoryPlan | None:
         indices = range(torch.cuda.device_count()) if spread else [accelerator.device.index or 0]
         total = sum(torch.cuda.get_device_properties(i).total_memory for i in indices)
         device_bytes = int(total * cfg.model.max_memory_fraction)
-    try:
-        # Rank 0 first: reading the tiny model's configs builds it, and only rank 0 may (see _build_model).
-        with accelerator.main_process_first():
+    plan, error = None, None
+    # Rank 0 first: reading the tiny model's configs builds it, and only rank 0 may (see _build_model). No
+    # exception may leave this block: each rank must reach both of its barriers.
+    with accelerator.main_process_first():
+        try:
             plan = build_plan(cfg, world_size=accelerator.num_processes, device_bytes=device_bytes)
-    except Exception as err:  # the plan is advice: a model it cannot size still loads (check_fits is below)
-        logger.warning("[plan] no memory plan for model '%s': %s", cfg.model.name, err)
+        except Exception as err:  # the plan is advice: a model it cannot size still loads
+            error = err
+    if plan is None:
+        logger.warning("[plan] no memory plan for model '%s': %s", cfg.model.name, error)
         return None
     for line in plan.table().splitlines():
         logger.info("[plan] %s", line)

@@ -44,6 +44,16 @@ def test_meta_counts_equal_the_loaded_tiny_model(tiny_model_dir):
         ), name
 
 
+def test_the_plan_builds_a_missing_tiny_model_with_real_tensors(tmp_path, monkeypatch):
+    # Resolving "tiny" builds it on first use; that must not happen under the meta-device context.
+    from glm_training.models.tiny import TINY_MODEL_VERSION
+
+    monkeypatch.setenv("GLM_TRAINING_CACHE", str(tmp_path))
+    meta = meta_components(_cfg("model=tiny").model)
+    assert (tmp_path / f"tiny-glm-image-v{TINY_MODEL_VERSION}-seed0" / ".complete").is_file()
+    assert sum(p.numel() for p in meta["transformer"].parameters()) > 0
+
+
 def test_lora_count_equals_peft(tiny_model_dir):
     cfg = _cfg("model=tiny", overrides=["model.lora.enabled=true"])
     pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
