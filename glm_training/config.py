@@ -100,6 +100,10 @@ class ModelConfig:
     # naming the stage instead of hanging silently.
     stage_timeout_s: float = 1800.0
     gradient_checkpointing: bool = False
+    # model.name=glm_image_shape only (the real-width random fixture, `models/shape.py`): how many AR decoder
+    # layers and DiT blocks it has (the real model: 40 and 30).
+    shape_num_ar_layers: int = 1
+    shape_num_dit_layers: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Chaining the decoupled stages (README "Decoupled recipe"): the AR model the DiT trainer and
     # `python -m glm_training.priors` sample prior tokens with, as an AR run folder, a checkpoint step folder
@@ -119,6 +123,12 @@ class ModelConfig:
             f"must be in [0.1, 1.0], got {self.max_memory_fraction}.",
         )
         _check(self.stage_timeout_s > 0, "model.stage_timeout_s", "must be > 0 seconds.")
+        for key in ("shape_num_ar_layers", "shape_num_dit_layers"):
+            _check(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}.")
+
+    def shape_layers(self) -> tuple[int, int]:
+        """(AR layers, DiT blocks) of the `glm_image_shape` fixture."""
+        return self.shape_num_ar_layers, self.shape_num_dit_layers
 
 
 @dataclass

@@ -44,6 +44,8 @@ MORE_DOCS: dict[str, dict[str, str]] = {
     },
     "ModelConfig": {
         "tiny_seed": "seed of the tiny model's random weights (model.name=tiny only)",
+        "shape_num_ar_layers": "AR decoder layers of the real-width fixture (model=glm_image_shape only)",
+        "shape_num_dit_layers": "DiT blocks of the real-width fixture (model=glm_image_shape only)",
         "dtype": "weight dtype of the loaded pipeline: float32 | bfloat16 | float16",
         "max_memory_fraction": "share of each GPU's memory a single-process device map may fill (0.1 to 1)",
         "gradient_checkpointing": "recompute activations in the backward pass (less memory, more time)",

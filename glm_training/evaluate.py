@@ -287,7 +287,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
         from glm_training.models.wrapper import resolve_model_path
 
         pipeline = GlmImagePipeline.from_pretrained(
-            resolve_model_path(cfg.model.name, cfg.model.tiny_seed), dtype=dtype
+            resolve_model_path(cfg.model.name, cfg.model.tiny_seed, cfg.model.shape_layers()), dtype=dtype
         )
     _apply_chained_weights(pipeline, cfg, [info.component for info in infos] if args.checkpoint else [])
     device = dist.choose_device(0)

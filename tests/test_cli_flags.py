@@ -63,7 +63,8 @@ def test_help_lists_the_groups_and_every_key_with_its_doc():
     result = run_cli([PYTHON, "train_ar.py", "--help"], timeout=60)
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    assert "model: glm_image | tiny" in text and "--cfg job" in text and "hydra.run.dir" in text
+    assert "model: glm_image | glm_image_shape | tiny" in text
+    assert "--cfg job" in text and "hydra.run.dir" in text
     lines = text.splitlines()
     for key, cls, name in keys(load_config(config="ar_training")):
         index = next((i for i, line in enumerate(lines) if line.startswith(f"  {key}: ")), None)

@@ -158,12 +158,14 @@ def test_ensure_builds_once(tmp_path: pathlib.Path) -> None:
 
 
 def test_losing_the_build_race_keeps_the_winner(tmp_path: pathlib.Path) -> None:
+    from glm_training.models import tiny
+
     folder = ensure_tiny_pipeline(tmp_path, seed=0)
     weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
     mtime = weights.stat().st_mtime_ns
 
     # A second rank that saw no folder builds its own copy; its rename fails and the copy is dropped.
-    _build_into_place(folder, seed=0)
+    _build_into_place(folder, lambda staging: tiny.save_tiny_pipeline(staging, 0), {"seed": 0})
 
     assert weights.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]

@@ -39,6 +39,7 @@ import pathlib
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 
 import torch
 from diffusers import (
@@ -331,6 +332,12 @@ def build_tiny_pipeline(seed: int = 0) -> GlmImagePipeline:
         seed_component(4)
         transformer = _build_transformer()
 
+    return assemble_pipeline(processor, text_encoder, vision_language_encoder, vae, transformer)
+
+
+def assemble_pipeline(processor, text_encoder, vision_language_encoder, vae, transformer) -> GlmImagePipeline:
+    """The seven-component pipeline around built weight-holding components (in eval mode), with the
+    ByT5 glyph tokenizer and GLM-Image's scheduler."""
     for module in (text_encoder, vision_language_encoder, vae, transformer):
         module.eval()
     return GlmImagePipeline(
@@ -373,29 +380,32 @@ def _check_weights_written(folder: pathlib.Path) -> None:
     empty = [c for c in _WEIGHT_COMPONENTS if not any((folder / c).glob("*.safetensors"))]
     if empty:
         raise RuntimeError(
-            f"building the tiny GLM-Image wrote no weights for {empty} (transformers saves only on global "
+            f"building a GLM-Image fixture wrote no weights for {empty} (transformers saves only on global "
             "rank 0 under torch.distributed). Build it on rank 0 first (the trainers do), or put "
             "$GLM_TRAINING_CACHE on a file system every node shares."
         )
 
 
-def _build_into_place(target: pathlib.Path, seed: int) -> None:
-    """Build into a private sibling folder, then rename it to ``target`` in one atomic step.
+def _build_into_place(
+    target: pathlib.Path, save: Callable[[pathlib.Path], object], marker: dict, what: str = "tiny pipeline"
+) -> None:
+    """Build into a private sibling folder with ``save(folder)``, then rename it to ``target`` atomically.
 
-    If another process renamed its copy into place first, this copy is discarded.
+    If another process renamed its copy into place first, this copy is discarded. ``marker`` is written into
+    the completion marker (version, seed, sizes), last, so a folder with the marker is complete.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
     try:
-        save_tiny_pipeline(staging, seed)
+        save(staging)
         _check_weights_written(staging)
         # Written last: a folder with the marker is complete however the writer ended.
-        (staging / _COMPLETE_MARKER).write_text(json.dumps({"version": TINY_MODEL_VERSION, "seed": seed}))
+        (staging / _COMPLETE_MARKER).write_text(json.dumps(marker))
         if target.exists() and not _is_complete(target):
             # Only a copy made outside this function can be incomplete: ours carry the marker
             # before the rename.
-            logger.warning("Replacing incomplete tiny pipeline folder %s", target)
+            logger.warning("Replacing incomplete %s folder %s", what, target)
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(staging, target)
@@ -408,6 +418,20 @@ def _build_into_place(target: pathlib.Path, seed: int) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def ensure_built(
+    target: pathlib.Path, save: Callable[[pathlib.Path], object], marker: dict, what: str
+) -> pathlib.Path:
+    """Return ``target``, building it with ``save(folder)`` first if it is not complete.
+
+    Safe when several processes (e.g. torchrun ranks) call it at once: each builds into a private folder and
+    the first atomic rename wins.
+    """
+    if not _is_complete(target):
+        logger.info("Building %s into %s", what, target)
+        _build_into_place(target, save, marker, what)
+    return target
+
+
 def ensure_tiny_pipeline(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
     """Return ``<cache_dir>/tiny-glm-image-v{TINY_MODEL_VERSION}-seed{seed}``, building it if missing.
 
@@ -416,7 +440,9 @@ def ensure_tiny_pipeline(cache_dir: str | os.PathLike | None = None, seed: int =
     """
     cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"tiny-glm-image-v{TINY_MODEL_VERSION}-seed{seed}"
-    if not _is_complete(target):
-        logger.info("Building tiny GLM-Image pipeline (seed %d) into %s", seed, target)
-        _build_into_place(target, seed)
-    return target
+    return ensure_built(
+        target,
+        lambda folder: save_tiny_pipeline(folder, seed),
+        {"version": TINY_MODEL_VERSION, "seed": seed},
+        f"tiny GLM-Image pipeline (seed {seed})",
+    )

@@ -26,12 +26,17 @@ TRAINABLE_COMPONENTS = {"dit": "transformer", "ar": "vision_language_encoder"}
 MODEL_COMPONENTS = ("vision_language_encoder", "text_encoder", "transformer", "vae")
 
 
-def resolve_model_path(model_name: str, tiny_seed: int = 0) -> str:
-    """`"tiny"` -> the cached offline tiny pipeline folder (built on first use); anything else unchanged."""
+def resolve_model_path(model_name: str, tiny_seed: int = 0, shape_layers: tuple[int, int] = (1, 1)) -> str:
+    """`"tiny"` / `"glm_image_shape"` -> the cached offline fixture folder (built on first use, `shape_layers`
+    = (AR layers, DiT blocks) of the real-width one); anything else unchanged."""
     if model_name == "tiny":
         from glm_training.models.tiny import ensure_tiny_pipeline
 
         return str(ensure_tiny_pipeline(seed=tiny_seed))
+    if model_name == "glm_image_shape":
+        from glm_training.models.shape import ensure_shape_pipeline
+
+        return str(ensure_shape_pipeline(*shape_layers, seed=tiny_seed))
     path = Path(model_name).expanduser()
     if path.exists() and not (path / "model_index.json").is_file():
         raise FileNotFoundError(
@@ -200,3 +205,31 @@ def add_lora_adapters(module: nn.Module, lora: Any) -> None:
     for p in module.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+
+
+def enable_gradient_checkpointing(module: nn.Module) -> int:
+    """Recompute each transformer block / decoder layer in the backward pass; returns how many layers.
+
+    diffusers' DiT checkpoints its blocks whenever gradients are enabled. transformers' layers checkpoint only
+    in training mode, but the trainers keep the model in eval mode (no dropout: the recomputed log-probs must
+    equal the rollout's), where `gradient_checkpointing_enable()` alone silently does nothing. So each
+    checkpointed layer gets a pre-forward hook that sets that layer's own `training` flag (not its children's:
+    every dropout stays off) to whether gradients are enabled. Non-reentrant checkpointing, so LoRA adapters
+    inside a layer receive gradients although the layer input does not require any.
+    """
+    if hasattr(module, "enable_gradient_checkpointing"):  # diffusers ModelMixin
+        module.enable_gradient_checkpointing()
+        return len(getattr(module, "transformer_blocks", []))
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    module.activation_checkpointing_enable({"use_reentrant": False})
+    layers = [
+        m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]
+
+    def follow_grad_mode(layer: nn.Module, args) -> None:
+        layer.training = torch.is_grad_enabled()
+
+    for layer in layers:
+        layer.register_forward_pre_hook(follow_grad_mode)
+    return len(layers)

@@ -60,9 +60,11 @@ from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
     GLMImageWrapper,
     add_lora_adapters,
+    enable_gradient_checkpointing,
     load_for_training,
     resolve_model_path,
 )
+from glm_training.plan import log_memory_plan
 from glm_training.preemption import StopSignals
 from glm_training.rewards import RewardSet
 from glm_training.rewards.combine import RewardFuncs, ScoringQueue, rewards_from_python
@@ -164,6 +166,7 @@ class RewardTrainer:
         if self.is_main:
             (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
 
+        self.memory_plan = log_memory_plan(cfg, self.accelerator)  # on GPUs: stops here if it cannot fit
         self.wrapper = self._build_model()
         self.trainable = self._setup_trainable(self.wrapper.trainable)
         self.wrapper.trainable = self.trainable
@@ -413,7 +416,7 @@ class RewardTrainer:
         with self.accelerator.main_process_first():
             path = run_stage(
                 f"resolve model '{m.name}'",
-                lambda: resolve_model_path(m.name, m.tiny_seed),
+                lambda: resolve_model_path(m.name, m.tiny_seed, m.shape_layers()),
                 m.stage_timeout_s,
             )
         wrapper, self.placement = load_for_training(
@@ -462,12 +465,9 @@ class RewardTrainer:
         for p in module.parameters():
             if id(p) not in used:
                 p.requires_grad_(False)
-        if self.cfg.model.gradient_checkpointing:
-            enable = (
-                getattr(module, "enable_gradient_checkpointing", None) or module.gradient_checkpointing_enable
-            )
-            enable()
         module.eval()  # no dropout: the recomputed log-probs must equal the rollout's
+        if self.cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(module)  # works in eval mode too
         num = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if num == 0:
             raise ValueError(

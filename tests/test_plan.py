@@ -1,0 +1,191 @@
+"""The memory plan (`glm_training.plan`) and gradient checkpointing on both halves."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from diffusers import GlmImagePipeline
+
+from glm_training.config import load_config
+from glm_training.models.wrapper import add_lora_adapters, enable_gradient_checkpointing
+from glm_training.plan import (
+    MemoryPlanError,
+    build_plan,
+    check_fits,
+    lora_params,
+    main,
+    meta_components,
+    saved_tensor_bytes,
+)
+
+GB = 10**9
+
+
+def _cfg(name: str, component: str = "dit", overrides=()):
+    return load_config(
+        config="ar_training" if component == "ar" else "t2i_training", overrides=[name, *overrides]
+    )
+
+
+def _terms(plan):
+    return {t.name: t.bytes for t in plan.static}
+
+
+def test_meta_counts_equal_the_loaded_tiny_model(tiny_model_dir):
+    # The plan reads configs only (meta device); its counts must be those of the weights that load.
+    meta = meta_components(_cfg("model=tiny").model)
+    pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    for name, module in meta.items():
+        assert all(p.device.type == "meta" for p in module.parameters())
+        assert sum(p.numel() for p in module.parameters()) == sum(
+            p.numel() for p in getattr(pipe, name).parameters()
+        ), name
+
+
+def test_the_plan_builds_a_missing_tiny_model_with_real_tensors(tmp_path, monkeypatch):
+    # Resolving "tiny" builds it on first use; that must not happen under the meta-device context.
+    from glm_training.models.tiny import TINY_MODEL_VERSION
+
+    monkeypatch.setenv("GLM_TRAINING_CACHE", str(tmp_path))
+    meta = meta_components(_cfg("model=tiny").model)
+    assert (tmp_path / f"tiny-glm-image-v{TINY_MODEL_VERSION}-seed0" / ".complete").is_file()
+    assert sum(p.numel() for p in meta["transformer"].parameters()) > 0
+
+
+def test_lora_count_equals_peft(tiny_model_dir):
+    cfg = _cfg("model=tiny", overrides=["model.lora.enabled=true"])
+    pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    expected = lora_params(pipe.transformer, list(cfg.model.lora.target_modules), cfg.model.lora.rank)
+    add_lora_adapters(pipe.transformer, cfg.model.lora)
+    assert expected > 0
+    assert expected == sum(p.numel() for p in pipe.transformer.parameters() if p.requires_grad)
+
+
+def test_real_model_sizes_from_configs():
+    plan = build_plan(_cfg("model=glm_image", overrides=["model.lora.enabled=false"]))
+    terms = _terms(plan)
+    # The DiT is ~7B parameters, the AR model ~9B plus its 40-layer vision tower (~1.1B): bf16, 2 bytes each.
+    assert 6.5e9 < terms["weights: transformer"] / 2 < 7.5e9
+    assert 9e9 < terms["weights: vision_language_encoder"] / 2 < 11.5e9
+    # Full fine-tuning: bf16 gradients and two bf16 AdamW states of every DiT parameter.
+    assert terms["gradients"] == terms["weights: transformer"]
+    assert terms["optimizer state (AdamW)"] == 2 * terms["weights: transformer"]
+
+
+def test_fsdp_divides_the_trained_component_by_the_world_size():
+    cfg = _cfg("model=glm_image", overrides=["model.lora.enabled=false", "data.num_groups_per_step=8"])
+    ddp, fsdp = (build_plan(cfg, world_size=8, strategy=s) for s in ("ddp", "fsdp"))
+    d, f = _terms(ddp), _terms(fsdp)
+    for key in ("weights: transformer", "gradients", "optimizer state (AdamW)"):
+        assert f[key] == pytest.approx(d[key] / 8)
+    assert (
+        f["weights: vision_language_encoder"] == d["weights: vision_language_encoder"]
+    )  # frozen: replicated
+    one_block = sum(
+        p.numel() for p in meta_components(cfg.model)["transformer"].transformer_blocks[0].parameters()
+    )
+    assert f["FSDP gathered units"] == 2 * one_block * 2
+    assert fsdp.peak < ddp.peak
+
+
+def test_a_run_that_cannot_fit_stops_naming_terms_and_fixes():
+    cfg = _cfg(
+        "model=glm_image",
+        overrides=["model.lora.enabled=false", "sampling.height=1024", "sampling.width=1024"],
+    )
+    plan = build_plan(cfg, device_bytes=72 * GB)
+    with pytest.raises(MemoryPlanError) as err:
+        check_fits(plan)
+    message = str(err.value)
+    for text in (
+        "optimizer state",
+        "model.lora.enabled=true",
+        "trainer.strategy=fsdp",
+        "gradient_checkpointing",
+    ):
+        assert text in message
+    # LoRA on the DiT at 512² fits one 80 GB GPU.
+    check_fits(
+        build_plan(_cfg("model=glm_image", overrides=["sampling.micro_batch_size=1"]), device_bytes=72 * GB)
+    )
+
+
+def test_checkpointing_lowers_the_planned_activations():
+    base = ["model=glm_image", "sampling.height=1024", "sampling.width=1024"]
+    off = build_plan(_cfg(base[0], overrides=[*base[1:], "model.gradient_checkpointing=false"]))
+    on = build_plan(_cfg(base[0], overrides=[*base[1:], "model.gradient_checkpointing=true"]))
+    assert on.activations.bytes < off.activations.bytes / 4
+    assert on.activations_other.bytes == off.activations.bytes
+
+
+def test_cli_prints_the_table_and_fails_when_it_does_not_fit(capsys):
+    assert main(["--config", "configs/t2i_training.yaml", "model=glm_image", "--gpu-memory-gb", "80"]) == 0
+    assert "weights: transformer" in capsys.readouterr().out
+    args = ["--config", "configs/t2i_training.yaml", "model=glm_image", "model.lora.enabled=false"]
+    assert main([*args, "--gpu-memory-gb", "80"]) == 1
+    assert main([*args, "--gpu-memory-gb", "80", "--world-size", "8", "--strategy", "fsdp"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradient checkpointing: same gradients, fewer saved activations, in eval mode (as the trainers run).
+
+
+def _dit_loss(transformer):
+    g = torch.Generator().manual_seed(0)
+    cfg = transformer.config
+    return (
+        transformer(
+            hidden_states=torch.randn(2, cfg.in_channels, 8, 8, generator=g),
+            encoder_hidden_states=torch.randn(2, 5, cfg.text_embed_dim, generator=g),
+            prior_token_id=torch.randint(0, cfg.prior_vq_quantizer_codebook_size, (2, 16), generator=g),
+            prior_token_drop=torch.zeros(2, 16, dtype=torch.bool),
+            timestep=torch.tensor([300.0, 700.0]),
+            target_size=torch.tensor([[64.0, 64.0]] * 2),
+            crop_coords=torch.zeros(2, 2),
+            return_dict=False,
+        )[0]
+        .pow(2)
+        .mean()
+    )
+
+
+def _ar_loss(ar):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (2, 12), generator=g)
+    pos = torch.arange(12).view(1, 1, -1).expand(3, 2, -1)
+    hidden = ar.model.language_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    return torch.log_softmax(ar.lm_head(hidden), -1).gather(-1, ids[..., None]).mean()
+
+
+@pytest.mark.parametrize("component", ["dit", "ar"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_the_plain_gradients(tiny_model_dir, component, lora):
+    pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    plain = pipe.transformer if component == "dit" else pipe.vision_language_encoder
+    loss_fn = _dit_loss if component == "dit" else _ar_loss
+    if lora:
+        cfg = _cfg("model=tiny", component, ["model.lora.enabled=true"])
+        add_lora_adapters(plain, cfg.model.lora)
+    else:
+        plain.requires_grad_(True)
+    plain.eval()
+    ckpt = copy.deepcopy(plain)
+    # Tiny stacks: 2 DiT blocks; 2 GLM decoder layers + 2 vision-tower blocks.
+    assert enable_gradient_checkpointing(ckpt) == (2 if component == "dit" else 4)
+
+    results = []
+    for module in (plain, ckpt):
+        params = [p for p in module.parameters() if p.requires_grad]
+        with saved_tensor_bytes(params) as saved:
+            loss = loss_fn(module)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in params], sum(saved.values())))
+    (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = results
+    # The recompute runs the same float32 kernels on the same inputs: equal up to summation order.
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    # And it really checkpoints in eval mode (transformers' layers alone would not): less is saved.
+    assert saved_b < 0.8 * saved_a, (saved_a, saved_b)
