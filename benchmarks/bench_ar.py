@@ -18,6 +18,13 @@ Measures, on one model with the same prompts, resolution, batch and sampling set
    forward + backward (of the mean logit) for the gradient variant.
 3. Peak memory: `torch.cuda.max_memory_allocated` per phase on CUDA; on CPU the process's peak RSS
    (`ru_maxrss`), which only grows, so each figure is the peak up to the end of that phase.
+4. Generation speed (issue 14): `sample_image_tokens` with the default dynamic KV cache, with
+   `static_cache=True`, and with `static_cache=True, compile=True` (torch.compile of the decoding step);
+   generated tokens/s and the ratio to the default, after a warm-up that includes compilation (its time is
+   reported apart), runs alternated; and whether each mode sampled the same tokens as the default (the
+   same seed) and how far its recorded log-probs are from the default's.
+
+    python benchmarks/bench_ar.py --sections generation --height 256 --width 256 --batch 8
 """
 
 from __future__ import annotations
@@ -73,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--sections",
+        default="rollout,teacher_forced,generation",
+        help="comma-separated: rollout (1), teacher_forced (2, needs rollout), generation (4)",
+    )
     return p.parse_args(argv)
 
 
@@ -214,6 +226,71 @@ def bench_teacher_forced(args, pipe, params: SamplingParams, samples, device: to
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 4. Generation speed: static KV cache, torch.compile of the decoding step
+
+GENERATION_MODES = {
+    "default": {},
+    "static_cache": {"static_cache": True},
+    "static_cache+compile": {"static_cache": True, "compile": True},
+}
+
+
+def bench_generation_modes(args, pipe, params: SamplingParams, device: torch.device) -> dict:
+    prompts = prompts_for(args.batch)
+
+    def runner(kwargs):
+        return lambda: sample_image_tokens(
+            pipe, prompts, args.height, args.width, params, args.seed, **kwargs
+        )
+
+    runners = {name: runner(kwargs) for name, kwargs in GENERATION_MODES.items()}
+    warmup_s, outputs = {}, {}
+    for name, fn in runners.items():  # warm-up; the compiled mode compiles here
+        warmup_s[name], outputs[name] = timed(fn, device)
+    reference = outputs["default"]
+    mask = reference.completion_mask
+    runs: dict[str, list[float]] = {name: [] for name in runners}
+    load = BackgroundLoad()
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            runs[name].append(timed(fn, device)[0])
+    new_tokens = int(mask.sum()) + reference.input_ids.shape[0]  # grids + the extra token per sequence
+    med = {name: statistics.median(times) for name, times in runs.items()}
+    return {
+        "generated_tokens": new_tokens,
+        "modes": {
+            name: {
+                "median_s": med[name],
+                "tok_per_s": new_tokens / med[name],
+                "speedup_vs_default": med["default"] / med[name],
+                "warmup_s": warmup_s[name],
+                "same_tokens": bool(torch.equal(outputs[name].input_ids, reference.input_ids)),
+                "max_logp_diff": float(
+                    (outputs[name].sampling_log_probs - reference.sampling_log_probs)[mask].abs().max()
+                ),
+                "runs_s": runs[name],
+            }
+            for name in runners
+        },
+        "background_cores": load.cores(),
+    }
+
+
+def print_generation_report(gen: dict) -> None:
+    print(f"\n== generation speed == {gen['generated_tokens']} generated tokens per call")
+    print(
+        f"{'mode':22s} {'median s':>9s} {'tok/s':>8s} {'x default':>9s} {'warm-up s':>9s}  "
+        "same tokens  max |dlogp|"
+    )
+    for name, m in gen["modes"].items():
+        print(
+            f"{name:22s} {m['median_s']:9.4f} {m['tok_per_s']:8.0f} {m['speedup_vs_default']:9.3f} "
+            f"{m['warmup_s']:9.2f}  {str(m['same_tokens']):11s}  {m['max_logp_diff']:.2e}"
+        )
+    if gen["background_cores"] is not None:
+        print(f"other processes' CPU use while timing: {gen['background_cores']:.2f} cores")
+        if gen["background_cores"] > BUSY_CORES:
+            print("WARNING: the machine was busy while timing; these figures are not comparable. Rerun idle.")
 
 
 def print_report(info: dict, args: argparse.Namespace, roll: dict, tf: dict, mem: str) -> None:
@@ -278,19 +355,28 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k,
         codebook_size=int(pipe.transformer.config.prior_vq_quantizer_codebook_size),
     )
-    roll, samples = bench_rollout(args, pipe, params, device)
-    tf = bench_teacher_forced(args, pipe, params, samples, device)
-    mem = memory_label(device)
-    print_report(info, args, roll, tf, mem)
+    sections = set(args.sections.split(","))
+    unknown = sections - {"rollout", "teacher_forced", "generation"}
+    if unknown or ("teacher_forced" in sections and "rollout" not in sections):
+        raise SystemExit(f"--sections: unknown {sorted(unknown)} or teacher_forced without rollout")
+    result = {
+        "machine": info,
+        "setting": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "sampling_params": vars(params),
+        "memory_kind": memory_label(device),
+    }
+    if "rollout" in sections:
+        result["rollout"], samples = bench_rollout(args, pipe, params, device)
+        result["teacher_forced"] = bench_teacher_forced(args, pipe, params, samples, device)
+        print_report(info, args, result["rollout"], result["teacher_forced"], result["memory_kind"])
+    if "generation" in sections:
+        result["generation"] = bench_generation_modes(args, pipe, params, device)
+        if "rollout" not in sections:
+            print("\n== machine ==")
+            for key, value in info.items():
+                print(f"  {key:15s} {value}")
+        print_generation_report(result["generation"])
     if args.json is not None:
-        result = {
-            "machine": info,
-            "setting": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "sampling_params": vars(params),
-            "rollout": roll,
-            "teacher_forced": tf,
-            "memory_kind": mem,
-        }
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     return 0

@@ -17,6 +17,11 @@ Measures, on one model with the same steps, resolution, guidance and batch:
    tokens, rollout, VAE decode, rewards, advantages) and `_update` timed separately, after a warm-up step.
 3. Peak memory: `torch.cuda.max_memory_allocated` per phase on CUDA; on CPU the process's peak RSS
    (`ru_maxrss`), which only grows, so each figure is the peak up to the end of that phase.
+4. With `--recipes` (issue 11): batched CFG (one DiT forward of 2B samples) against sequential CFG (two
+   of B) in the rollout, interleaved, with the largest latent difference at noise level 0; and the
+   Flow-GRPO-Fast window (`--window` SDE steps drawn in the first half, ODE elsewhere) against the full-SDE
+   recipe (SDE on every step but the last): two real trainers, their `_collect` and `_update` timed
+   alternately step by step.
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "places itself as in training: on CUDA whenever CUDA is present)",
     )
     p.add_argument("--skip-trainer", action="store_true", help="only the denoising comparison")
+    p.add_argument(
+        "--recipes",
+        action="store_true",
+        help="only section 4: batched vs sequential CFG, Fast window vs full SDE (issue 11)",
+    )
+    p.add_argument("--window", type=int, default=2, help="SDE steps of the Fast window (--recipes)")
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
@@ -194,15 +205,14 @@ def prompts_for(batch: int) -> list[str]:
 # 1. Pipeline denoising vs rollout
 
 
-def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+def denoising_inputs(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """(pipeline, its DiT, guidance inputs, initial latents) for `args.batch` bundled prompts."""
     from diffusers import GlmImagePipeline
 
-    path = resolve_model_path(args.model)
-    pipe = GlmImagePipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = GlmImagePipeline.from_pretrained(resolve_model_path(args.model), torch_dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     transformer = pipe.transformer.eval()
-
     prompts = prompts_for(args.batch)
     prior = generate_prior_tokens(pipe, prompts, args.height, args.width, seed=args.seed)
     cond = build_guidance_inputs(pipe, prompts, prior, args.height, args.width, args.guidance, device, dtype)
@@ -213,6 +223,12 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
         args.width // pipe.vae_scale_factor,
     )
     latents0 = torch.randn(latent_shape, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    return pipe, transformer, cond, latents0
+
+
+def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+
+    pipe, transformer, cond, latents0 = denoising_inputs(args, device, dtype)
 
     def run_pipeline() -> torch.Tensor:
         return pipe(
@@ -346,6 +362,109 @@ def bench_trainer(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 4. Recipes: batched CFG, Flow-GRPO-Fast window
+
+
+def bench_batched_cfg(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    pipe, transformer, cond, latents0 = denoising_inputs(args, device, dtype)
+    timesteps, sigmas = glm_image_schedule(pipe, args.steps, args.height, args.width)
+
+    def rollout(batched: bool, noise_level: float = NOISE_LEVEL):
+        return sample_trajectory(
+            transformer,
+            latents0.clone(),
+            cond,
+            timesteps,
+            sigmas,
+            guidance_scale=args.guidance,
+            noise_level=noise_level,
+            sde_type="flow_sde",
+            sde_window=(0, args.steps - 1),
+            generator=torch.Generator(device).manual_seed(args.seed),
+            batched_cfg=batched,
+        )
+
+    with torch.no_grad():
+        diff = (rollout(True, 0.0).final_latents - rollout(False, 0.0).final_latents).abs().max().item()
+        seq_times, batched_times = [], []
+        load = BackgroundLoad()
+        for _ in range(args.repeats):
+            seq_times.append(timed(lambda: rollout(False), device)[0])
+            batched_times.append(timed(lambda: rollout(True), device)[0])
+    return {
+        "glyph_lengths": [cond.prompt_embeds.shape[1], cond.negative_embeds.shape[1]],
+        "sequential_s": statistics.median(seq_times),
+        "batched_s": statistics.median(batched_times),
+        "batched_over_sequential": statistics.median(batched_times) / statistics.median(seq_times),
+        "sequential_runs_s": seq_times,
+        "batched_runs_s": batched_times,
+        "max_abs_diff_final_latents_noise0": diff,
+        "background_cores": load.cores(),
+    }
+
+
+def bench_fast_window(args: argparse.Namespace, device: torch.device) -> dict:
+    from glm_training.trainers.dit_trainer import DiTTrainer
+
+    fast = [f"sampling.sde_window_size={args.window}", f"sampling.sde_window_range=[0,{args.steps // 2}]"]
+    with tempfile.TemporaryDirectory(prefix="bench_dit_") as tmp:
+        trainers = {
+            "full_sde": DiTTrainer(load_config(trainer_overrides(args, f"{tmp}/full"), "t2i_training")),
+            "fast_window": DiTTrainer(
+                load_config([*trainer_overrides(args, f"{tmp}/fast"), *fast], "t2i_training")
+            ),
+        }
+        times = {name: {"collect": [], "update": [], "train_steps": 0} for name in trainers}
+        load = None
+        for step in range(args.train_steps + 1):  # step 0 warms both up
+            if step == 1:
+                load = BackgroundLoad()
+            for name, trainer in trainers.items():  # alternately, so drifting load hits both alike
+                c, batch = timed(lambda t=trainer, s=step: t._collect(s), trainer.device)
+                u, stats = timed(lambda t=trainer, b=batch, s=step: t._update(b, s), trainer.device)
+                times[name]["train_steps"] = int(stats["num_train_steps"])
+                if step > 0:
+                    times[name]["collect"].append(c)
+                    times[name]["update"].append(u)
+    out = {"fast_overrides": fast, "background_cores": load.cores() if load is not None else None}
+    for name, t in times.items():
+        out[name] = {
+            "collect_s": statistics.median(t["collect"]),
+            "update_s": statistics.median(t["update"]),
+            "step_s": statistics.median([c + u for c, u in zip(t["collect"], t["update"])]),
+            "trained_sde_steps": t["train_steps"],
+            "collect_runs_s": t["collect"],
+            "update_runs_s": t["update"],
+        }
+    for key in ("collect_s", "update_s", "step_s"):
+        out[f"fast_over_full_{key}"] = out["fast_window"][key] / out["full_sde"][key]
+    return out
+
+
+def print_recipes(cfg_result: dict, window: dict) -> None:
+    print("\n== batched vs sequential CFG (rollout, full SDE) ==")
+    print(f"  glyph lengths (prompt, empty prompt): {cfg_result['glyph_lengths']}")
+    print(f"  sequential (s, median)  {cfg_result['sequential_s']:.4f}")
+    print(f"  batched (s, median)     {cfg_result['batched_s']:.4f}")
+    print(f"  batched / sequential    {cfg_result['batched_over_sequential']:.3f}")
+    print(f"  max |diff| final latents, noise 0: {cfg_result['max_abs_diff_final_latents_noise0']:.2e}")
+    print("\n== Flow-GRPO-Fast window vs full SDE (trainer, median s) ==")
+    for name in ("full_sde", "fast_window"):
+        r = window[name]
+        print(
+            f"  {name:12s} collect {r['collect_s']:.3f}  update {r['update_s']:.3f}  step {r['step_s']:.3f}"
+            f"  (trained SDE steps {r['trained_sde_steps']})"
+        )
+    print(
+        f"  fast / full: collect {window['fast_over_full_collect_s']:.3f}  "
+        f"update {window['fast_over_full_update_s']:.3f}  step {window['fast_over_full_step_s']:.3f}"
+    )
+    loads = [x for x in (cfg_result["background_cores"], window["background_cores"]) if x is not None]
+    if loads:
+        print(f"other processes' CPU use while timing: {' / '.join(f'{x:.2f}' for x in loads)} cores")
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 def print_report(info: dict, args: argparse.Namespace, den: dict, train: dict | None, mem: str) -> None:
@@ -405,6 +524,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.repeats < 1 or args.train_steps < 1:
         raise SystemExit("--repeats and --train-steps must be >= 1")
+    if args.recipes:
+        cfg_result = bench_batched_cfg(args, device, DTYPES[args.dtype])
+        gc.collect()
+        window = bench_fast_window(args, device)
+        print("\n== machine ==")
+        for key, value in info.items():
+            print(f"  {key:15s} {value}")
+        print_recipes(cfg_result, window)
+        if args.json is not None:
+            result = {"machine": info, "setting": {k: str(v) for k, v in vars(args).items()}}
+            result.update(batched_cfg=cfg_result, fast_window=window)
+            args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+            print(f"wrote {args.json}")
+        return 0
     den = bench_denoising(args, device, DTYPES[args.dtype])
     gc.collect()  # the pipeline of phase 1 is released before the trainer loads its own copy
     if device.type == "cuda":

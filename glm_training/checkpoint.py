@@ -5,10 +5,16 @@ into place when complete, so a crash mid-save never leaves a half checkpoint tha
 up, and an existing checkpoint is never overwritten. Only the trainable parameters are stored (the LoRA
 adapters, or the whole component for full fine-tuning), as safetensors; the frozen rest is reloaded from
 `model.name`.
+
+Integrity: `hashes.json` records the SHA-256 of every file. Resume checks them and refuses a checkpoint whose
+file changed (bit rot, a copy cut short, a file edited by hand), naming the file; `resume=latest` then
+falls back to the newest intact checkpoint. Every `torch.load` uses `weights_only=True`: a checkpoint is
+data, and loading one never runs code from its pickles.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -29,6 +35,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
+HASHES_FILE = "hashes.json"
 
 
 class CheckpointError(UserError, ValueError):
@@ -49,7 +56,11 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
 
 
 def resolve_resume(resume: str, output_dir: Path) -> Path:
-    """`"latest"` -> the newest complete checkpoint in `output_dir`; a path -> that checkpoint, checked."""
+    """`"latest"` -> the newest intact checkpoint in `output_dir`; a path -> that checkpoint, checked.
+
+    A checkpoint whose files fail their recorded hashes is refused (`CheckpointError` naming the file); with
+    `"latest"` the next older one is tried, with a warning for each one passed over.
+    """
     if resume == "latest":
         found = list_checkpoints(output_dir)
         if not found:
@@ -57,14 +68,65 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
                 f"trainer.resume=latest but '{output_dir}/checkpoints' holds no complete checkpoint; set "
                 "trainer.output_dir to the run to continue, or drop trainer.resume to start afresh."
             )
-        return found[-1]
+        problems = []
+        for path in reversed(found):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            logger.warning("skipping checkpoint %s: %s", path, problem)
+            problems.append(f"{path.name}: {problem}")
+        raise CheckpointError(
+            f"trainer.resume=latest: no intact checkpoint in '{output_dir}/checkpoints' "
+            f"({'; '.join(problems)}); restore the files from a copy, or drop trainer.resume to start afresh."
+        )
     path = Path(resume).expanduser()
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(
             f"trainer.resume='{resume}' is not a checkpoint folder (no {STATE_FILE}); give a folder such "
             f"as <output_dir>/checkpoints/{CHECKPOINT_PREFIX}000010, or 'latest'."
         )
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"trainer.resume='{resume}': {problem}; restore it from a copy, or resume from another "
+            "checkpoint (trainer.resume=latest skips damaged ones)."
+        )
     return path
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_hashes(folder: Path) -> None:
+    """Record the SHA-256 of every file in `folder` (written before the state file marks it complete)."""
+    skip = (STATE_FILE, HASHES_FILE)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in skip)
+    hashes = {name: file_sha256(folder / name) for name in names}
+    (folder / HASHES_FILE).write_text(json.dumps(hashes, indent=1), encoding="utf-8")
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every recorded file is present with its recorded hash; else what is wrong, naming the file."""
+    hashes_file = Path(path) / HASHES_FILE
+    if not hashes_file.is_file():
+        logger.warning("checkpoint %s has no %s (an older version wrote it): not verified", path, HASHES_FILE)
+        return None
+    try:
+        hashes = json.loads(hashes_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return f"'{hashes_file}' is damaged"
+    for name, expected in sorted(hashes.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"'{file}' is missing"
+        if file_sha256(file) != expected:
+            return f"'{file}' does not match its recorded SHA-256 (damaged or changed since it was written)"
+    return None
 
 
 def read_checkpoint_state(path: Path) -> dict[str, Any]:
@@ -93,7 +155,10 @@ def load_trainable_state_dict(module: nn.Module, state: dict[str, torch.Tensor])
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every random stream's state, as tensors and plain numbers only (loadable with `weights_only=True`)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -101,7 +166,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -120,8 +186,13 @@ def save_checkpoint(
     rank: int,
     is_main: bool,
     barrier,
+    extra_files: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state)."""
+    """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state).
+
+    `extra_files` ({file name: object for `torch.save`}) is a trainer's own state (e.g. DiffusionNFT's old
+    model), written inside the same atomic folder.
+    """
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if is_main:
@@ -137,9 +208,12 @@ def save_checkpoint(
         torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
         if ema_state is not None:
             torch.save(ema_state, tmp / "ema.pt")
+        for name, state in (extra_files or {}).items():
+            torch.save(state, tmp / name)
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
     barrier()
     if is_main:
+        write_hashes(tmp)
         # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "component": component}), encoding="utf-8")
         tmp.rename(final)
@@ -167,11 +241,11 @@ def load_checkpoint(
     """Restore everything `save_checkpoint` wrote; returns (step, EMA state or None)."""
     step = int(read_checkpoint_state(path)["step"])
     load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=False))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
     ema_file = path / "ema.pt"
-    ema = torch.load(ema_file, map_location="cpu", weights_only=False) if ema_file.is_file() else None
+    ema = torch.load(ema_file, map_location="cpu", weights_only=True) if ema_file.is_file() else None
     return step, ema

@@ -105,6 +105,13 @@ class ModelConfig:
     shape_num_ar_layers: int = 1
     shape_num_dit_layers: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Chaining the decoupled stages (README "Decoupled recipe"): the AR model the DiT trainer and
+    # `python -m glm_training.priors` sample prior tokens with, as an AR run folder, a checkpoint step folder
+    # (LoRA or full) or an export folder. Empty = the base model's own AR weights.
+    ar_weights: str = ""
+    # The DiT the AR trainer renders with, as a DiT run folder, a checkpoint step folder (LoRA or full) or an
+    # export folder. Empty = the base model's own DiT weights.
+    dit_weights: str = ""
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model.name", "give 'tiny', a hub id or a local folder.")
@@ -135,6 +142,10 @@ class DataConfig:
     # Groups (prompts) per step over all ranks. The groups x generations samples are split evenly over the
     # ranks, so a group may straddle ranks (its statistics are gathered).
     num_groups_per_step: int = 4
+    # DiT trainer only: a folder written by `python -m glm_training.priors`. Each group's prior tokens then
+    # come from the cache (chosen from (trainer.seed, step, group, prompt)) and the AR model is never
+    # loaded. Empty = the AR model samples them live at every step.
+    prior_cache: str = ""
 
     def __post_init__(self) -> None:
         _check(self.num_generations >= 2, "data.num_generations", "group-relative advantages need >= 2.")
@@ -168,9 +179,26 @@ class RewardConfig:
     # Score each decoded micro-batch in a worker thread while the rollout samples the next one. The scores
     # are the same either way; it saves time when a reward model and the rollout can run side by side.
     overlap: bool = False
+    # A NaN/inf score: `error` stops the run naming the reward and samples; `drop` gives the sample's group
+    # zero advantage (it teaches nothing this step) and counts it as `dropped_nonfinite_groups`.
+    on_nonfinite: str = "error"
+    # Rewards that declare themselves retryable (remote, model scorers) are retried this many times, waiting
+    # retry_backoff_s * 2**k before retry k+1. Then `on_failure`: `error` stops every rank with the reward's
+    # name; `skip` makes the step's update a no-op on every rank (counted as `skipped_reward_failure`).
+    max_retries: int = 3
+    retry_backoff_s: float = 1.0
+    on_failure: str = "error"
 
     def __post_init__(self) -> None:
         _check(len(self.names) > 0, "reward.names", "name at least one reward.")
+        _check_choice(self.on_nonfinite, ("error", "drop"), "reward.on_nonfinite")
+        _check_choice(self.on_failure, ("error", "skip"), "reward.on_failure")
+        _check(self.max_retries >= 0, "reward.max_retries", "must be >= 0 (0 = no retry).")
+        _check(
+            math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0,
+            "reward.retry_backoff_s",
+            "must be a finite number of seconds >= 0.",
+        )
         _check_choice(self.combine, ("weighted_sum", "normalized_sum"), "reward.combine")
         _check(
             not self.weights or len(self.weights) == len(self.names),
@@ -275,11 +303,23 @@ class TrainerConfig:
     resume: str | None = None  # a checkpoint folder, or "latest" (newest in output_dir)
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
     strategy: str = "ddp"  # ddp | fsdp | deepspeed (multi-process engines of accelerate)
-    dist_timeout_s: float = 1800.0
+    # Bound on every collective once training runs: a rank that dies or stalls makes the others fail within
+    # it, naming the step and phase. Loading is bounded by model.stage_timeout_s instead. It must cover the
+    # longest wait of one rank for another, e.g. rank 0 writing a full fine-tune's checkpoint.
+    dist_timeout_s: float = 600.0
+    # Steps in a row that make no update (non-finite loss/gradients, a reward failure with on_failure=skip)
+    # before the run stops with TooManySkippedSteps; 0 = never stop.
+    max_consecutive_skips: int = 5
     progress_bar: bool = True
 
     def __post_init__(self) -> None:
         _check(self.num_steps >= 1, "trainer.num_steps", "must be >= 1.")
+        _check(
+            math.isfinite(self.dist_timeout_s) and self.dist_timeout_s > 0,
+            "trainer.dist_timeout_s",
+            "must be a finite number of seconds > 0.",
+        )
+        _check(self.max_consecutive_skips >= 0, "trainer.max_consecutive_skips", "must be >= 0 (0 = never).")
         _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = only at the end).")
         _check(self.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 = keep all).")
         _check_choice(self.mixed_precision, ("no", "bf16", "fp16"), "trainer.mixed_precision")
@@ -288,7 +328,7 @@ class TrainerConfig:
 
 @dataclass
 class DiTSamplingConfig:
-    """The DiT rollout (Flow-GRPO SDE sampling)."""
+    """The DiT rollout (Flow-GRPO SDE sampling). Defaults follow Flow-GRPO (`yifan123/flow_grpo`)."""
 
     height: int = 64
     width: int = 64
@@ -296,10 +336,27 @@ class DiTSamplingConfig:
     guidance_scale: float = 1.5
     noise_level: float = 0.7
     sde_type: str = "flow_sde"  # flow_sde | cps
-    # Steps [sde_window_start, sde_window_end) sample with the SDE and are trained on; the rest are
-    # deterministic ODE steps (MixGRPO / Flow-GRPO-Fast). End -1 = through the last step.
+    # CPS log-prob: "flow_grpo" = Flow-GRPO's -mean((x - m)^2) (pair with clip_range ~1e-5, as its Fast
+    # configs do); "gaussian" = the full Gaussian log-density. The flow SDE always uses the Gaussian one.
+    cps_log_prob: str = "flow_grpo"
+    # Fixed window: steps [sde_window_start, sde_window_end) sample with the SDE and train; the rest are
+    # deterministic ODE steps. End -1 = num_steps - 1: the last step is deterministic, as in Flow-GRPO
+    # (its window is (0, num_steps - 1)); set it to num_steps to make the last step stochastic too.
     sde_window_start: int = 0
     sde_window_end: int = -1
+    # Flow-GRPO-Fast / MixGRPO: sde_window_size > 0 draws a window of that many SDE steps for every rollout
+    # inside sde_window_range = [lo, hi) (hi -1 = num_steps - 1), replacing start/end above. "random": a
+    # start uniform on [lo, hi - size], a function of (trainer.seed, step); "progressive": MixGRPO's sliding
+    # window, moving sde_window_stride steps later every sde_window_every training steps.
+    sde_window_size: int = 0
+    sde_window_range: list[int] = field(default_factory=lambda: [0, -1])
+    sde_window_schedule: str = "random"  # random | progressive
+    sde_window_stride: int = 1
+    sde_window_every: int = 25
+    # Conditional and unconditional CFG passes in one DiT forward of 2B samples (rollout and training). Off
+    # by default: GLM-Image's DiT takes no text mask, so padding the empty prompt's glyph embeddings to the
+    # prompt's length changes the unconditional prediction slightly (docs/benchmarks.md).
+    batched_cfg: bool = False
     micro_batch_size: int = 4  # images per DiT forward pass during the rollout
 
     def __post_init__(self) -> None:
@@ -310,47 +367,151 @@ class DiTSamplingConfig:
                 f"sampling.{key}",
                 f"GLM-Image needs a multiple of 32, got {value}; try {max(32, round(value / 32) * 32)}.",
             )
-        _check(self.num_steps >= 1, "sampling.num_steps", "must be >= 1.")
+        _check(self.num_steps >= 2, "sampling.num_steps", "must be >= 2 (the last step is deterministic).")
         _check(self.guidance_scale >= 0, "sampling.guidance_scale", "must be >= 0 (<= 1 disables CFG).")
         _check(self.noise_level >= 0, "sampling.noise_level", "must be >= 0.")
         _check_choice(self.sde_type, ("flow_sde", "cps"), "sampling.sde_type")
-        end = self.window_end()
-        _check(
-            0 <= self.sde_window_start < end <= self.num_steps,
-            "sampling.sde_window_start",
-            f"the SDE window [{self.sde_window_start}, {end}) must lie inside [0, {self.num_steps}).",
-        )
+        _check_choice(self.cps_log_prob, ("flow_grpo", "gaussian"), "sampling.cps_log_prob")
+        _check_choice(self.sde_window_schedule, ("random", "progressive"), "sampling.sde_window_schedule")
+        _check(self.sde_window_size >= 0, "sampling.sde_window_size", "must be >= 0 (0 = fixed window).")
+        _check(self.sde_window_stride >= 1, "sampling.sde_window_stride", "must be >= 1.")
+        _check(self.sde_window_every >= 1, "sampling.sde_window_every", "must be >= 1.")
+        if self.sde_window_size:
+            _check(
+                len(self.sde_window_range) == 2,
+                "sampling.sde_window_range",
+                f"must be [lo, hi]; got {list(self.sde_window_range)}.",
+            )
+            lo, hi = self.window_range()
+            _check(
+                0 <= lo and lo + self.sde_window_size <= hi <= self.num_steps,
+                "sampling.sde_window_range",
+                f"a window of {self.sde_window_size} steps must fit in [lo, hi) = [{lo}, {hi}) inside "
+                f"[0, {self.num_steps}); widen the range or shrink sampling.sde_window_size.",
+            )
+        else:
+            end = self.window_end()
+            _check(
+                0 <= self.sde_window_start < end <= self.num_steps,
+                "sampling.sde_window_start",
+                f"the SDE window [{self.sde_window_start}, {end}) must lie inside [0, {self.num_steps}).",
+            )
         _check(self.micro_batch_size >= 1, "sampling.micro_batch_size", "must be >= 1.")
 
     def window_end(self) -> int:
-        return self.num_steps if self.sde_window_end < 0 else self.sde_window_end
+        return self.num_steps - 1 if self.sde_window_end < 0 else self.sde_window_end
+
+    def window_range(self) -> tuple[int, int]:
+        lo, hi = (int(x) for x in self.sde_window_range)
+        return lo, self.num_steps - 1 if hi < 0 else hi
 
 
 @dataclass
 class FlowGRPOConfig:
-    """Flow-GRPO loss settings. Log-probs are means over latent elements, hence the tiny clip range."""
+    """Flow-GRPO loss settings; the defaults are Flow-GRPO's (`scripts/train_sd3.py`, `config/grpo.py`).
 
-    beta: float = 0.0  # KL coefficient (Flow-GRPO: 0.04 GenEval/OCR, 0.01 PickScore)
+    Log-probs are means over latent elements, hence the tiny clip range.
+    """
+
+    # The DiT's RL algorithm; DiffusionNFT has its own schema (`nft_schema`, configs/nft_training.yaml).
+    name: str = "flow_grpo"
+    # KL coefficient. With kl_type=flow_grpo Flow-GRPO's values mean the same here: 0.04 (GenEval / OCR),
+    # 0.01 (PickScore), 0 (its Fast recipes).
+    beta: float = 0.0
+    # flow_grpo: mean(dmu^2) / (2 std_dev_t^2), Flow-GRPO's (no -dt); exact: the transitions' Gaussian KL
+    # (= flow_grpo / -dt for the flow SDE, 4-30x stronger on a 10-step schedule); velocity: mean(dv^2).
+    kl_type: str = "flow_grpo"
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
-    scale_rewards: str = "group"  # group | batch | none
-    timestep_fraction: float = 0.99  # train on this fraction of the SDE steps
+    # batch: (r - group mean) / (std of all rewards + 1e-4), Flow-GRPO's shipped `sample.global_std=True`;
+    # group: per-group std; none: centred only.
+    scale_rewards: str = "batch"
+    # Samples with advantage exactly 0 (flat groups) leave the loss, KL included, as Flow-GRPO filters
+    # them; the fraction is logged as frac_zero_advantage.
+    drop_zero_advantage: bool = True
+    # The first int(sampling.num_steps * timestep_fraction) SDE steps train (Flow-GRPO's rule); 1.0 and
+    # Flow-GRPO's 0.99 both train every SDE step when the last step is deterministic.
+    timestep_fraction: float = 1.0
     num_inner_epochs: int = 1
-    # Optimizer steps per rollout (1 = fully on-policy). The training passes reuse the rollout's micro-batches
-    # (sampling.micro_batch_size), so the recomputed log-probs equal the recorded ones bit for bit.
-    num_mini_batches: int = 1
+    # Optimizer steps per rollout. Flow-GRPO takes 2 (gradient_accumulation_steps = num_batches_per_epoch
+    # // 2): the first is on-policy (ratio exactly 1), the second off-policy, where the clip can act. Needs
+    # at least that many rollout micro-batches (sampling.micro_batch_size); fewer give fewer steps.
+    num_mini_batches: int = 2
+    # none: exp(log_prob - old); grpo_guard: GRPO-Guard's centred, std-reweighted ratio (arXiv 2510.22319).
+    ratio_norm: str = "none"
     ema: bool = False
     ema_decay: float = 0.9
 
     def __post_init__(self) -> None:
+        _check(
+            self.name == "flow_grpo",
+            "algo.name",
+            f"'{self.name}' needs its own schema: for DiffusionNFT use --config configs/nft_training.yaml.",
+        )
         _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check_choice(self.kl_type, ("flow_grpo", "exact", "velocity"), "algo.kl_type")
         _check(self.clip_range > 0, "algo.clip_range", "must be > 0.")
         _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
         _check_choice(self.scale_rewards, ("group", "batch", "none"), "algo.scale_rewards")
         _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
         _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
         _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check_choice(self.ratio_norm, ("none", "grpo_guard"), "algo.ratio_norm")
         _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT (arXiv 2509.16117); defaults are NVlabs' reference (`config/nft.py`, `train_nft_sd3.py`).
+
+    The rollout samples with the old model and the pipeline's own Euler ODE (the reference samples SD3 with
+    a deterministic 2nd-order DPM solver; `sampling.noise_level` and the SDE window keys are unused); the
+    update noises the clean latents again at `int(sampling.num_steps * timestep_fraction)` of the
+    schedule's times per sample and trains without CFG.
+    """
+
+    name: str = "nft"
+    # beta of the implicit policies v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta
+    # (the reference's `config.beta`: 1.0; 0.1 for OCR and multi-reward).
+    nft_beta: float = 1.0
+    # The old (sampling) model's EMA schedule, the reference's `decay_type`: 0 = the current model after
+    # every rollout; 1 = decay min(0.001 k, 0.5) after k optimizer steps (default); 2 = 0 for 75 steps,
+    # then min(0.0075 (k - 75), 0.999) (OCR).
+    decay_type: int = 1
+    # KL coefficient to the base model, beta * mean((v_theta - v_ref)^2) (the reference's `train.beta`).
+    beta: float = 1e-4
+    adv_clip_max: float = 5.0  # also the scale of r: r = clip(A) / adv_clip_max / 2 + 1/2
+    scale_rewards: str = "batch"  # the reference's per-prompt mean with the global std (global_std=True)
+    timestep_fraction: float = 0.99
+    num_inner_epochs: int = 1
+    num_mini_batches: int = 1  # optimizer steps per rollout (the reference: 1; OCR: 2)
+    # EMA of the policy for evaluation (the reference's `train.ema`, decay 0.9); not the old model.
+    ema: bool = True
+    ema_decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check(
+            self.name == "nft",
+            "algo.name",
+            f"the nft schema trains DiffusionNFT; for '{self.name}' use configs/t2i_training.yaml.",
+        )
+        _check(
+            self.nft_beta > 0,
+            "algo.nft_beta",
+            f"must be > 0 (the reference uses 1.0 or 0.1), got {self.nft_beta}.",
+        )
+        _check_choice(str(self.decay_type), ("0", "1", "2"), "algo.decay_type")
+        _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
+        _check_choice(self.scale_rewards, ("group", "batch", "none"), "algo.scale_rewards")
+        _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
+        _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
+        _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+
+    def num_train_times(self, num_steps: int) -> int:
+        """Training times per sample: the reference's int(num_steps * timestep_fraction), at least 1."""
+        return max(1, int(num_steps * self.timestep_fraction))
 
 
 @dataclass
@@ -359,9 +520,17 @@ class ARSamplingConfig:
 
     height: int = 64
     width: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    # The policy trained is the distribution the tokens are sampled from, so temperature / top_p / top_k
+    # unset (null) = what GlmImagePipeline itself samples with: the AR checkpoint's generation_config, and
+    # transformers' defaults where it is silent (real checkpoint and tiny model: 0.9 / 0.75 / 50). The
+    # resolved values are logged at start ("AR sampling: ..."); a value set here overrides.
+    temperature: float | None = None
+    top_p: float | None = None  # nucleus sampling threshold (1 = off; null = the pipeline's)
+    top_k: int | None = None  # top-k filter (0 = off; null = the pipeline's, transformers' 50 when unset)
+    # A static KV cache (transformers' cache_implementation="static"): faster generation, the same tokens for
+    # the same seed, log-probs equal up to fp32 rounding (tests/test_ar_logprobs.py).
+    static_cache: bool = False
+    compile: bool = False  # torch.compile of the decoding step (needs static_cache; compiles on first use)
     dit_num_steps: int = 4
     dit_guidance_scale: float = 1.5
     # The DiT noise that renders a group is fixed per group (rewards inside a group differ only through the AR
@@ -378,9 +547,18 @@ class ARSamplingConfig:
                 f"sampling.{key}",
                 f"GLM-Image needs a multiple of 32, got {value}; try {max(32, round(value / 32) * 32)}.",
             )
-        _check(self.temperature > 0, "sampling.temperature", "must be > 0.")
-        _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1].")
-        _check(self.top_k >= 0, "sampling.top_k", "must be >= 0 (0 = off).")
+        unset = "leave it unset (null) for the pipeline's own value."
+        _check(
+            self.temperature is None or self.temperature > 0, "sampling.temperature", f"must be > 0; {unset}"
+        )
+        _check(self.top_p is None or 0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1]; {unset}")
+        _check(self.top_k is None or self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off); {unset}")
+        _check(
+            self.static_cache or not self.compile,
+            "sampling.compile",
+            "transformers compiles the decoding step only with a static KV cache; set "
+            "sampling.static_cache=true.",
+        )
         _check(self.dit_num_steps >= 1, "sampling.dit_num_steps", "must be >= 1.")
         _check_choice(self.dit_noise_seed, ("step", "prompt"), "sampling.dit_noise_seed")
 
@@ -389,8 +567,14 @@ class ARSamplingConfig:
 class DAPOConfig:
     """GRPO/DAPO token-level loss and dynamic sampling."""
 
+    # The ratio is clipped to [1 - epsilon_low, 1 + epsilon_high]. DAPO's clip-higher (0.2 / 0.28) is for
+    # token-level ratios; GSPO's sequence-level ratios need far smaller ranges: the paper uses 3e-4 / 4e-4
+    # (TRL's GSPO recipe: epsilon=3e-4, epsilon_high=4e-4).
     epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
+    epsilon_high: float = 0.28  # upper clip: 1 + epsilon_high (DAPO's clip-higher 0.28; GSPO: 4e-4)
+    # token: one ratio per token (GRPO / DAPO). sequence: GSPO (arXiv 2507.18071; TRL's
+    # importance_sampling_level="sequence"), one ratio per sample, the geometric mean of its token ratios.
+    importance_sampling_level: str = "token"
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     beta: float = 0.0  # KL (k3) coefficient
     scale_rewards: str = "group"
@@ -398,13 +582,20 @@ class DAPOConfig:
     num_inner_epochs: int = 1
     num_mini_batches: int = 1
     micro_batch_size: int = 4
-    dynamic_sampling: bool = True
+    dynamic_sampling: bool = True  # DAPO's dynamic sampling: drop flat groups (min_group_std) and resample
+    # A group whose reward std (population) is below this counts as flat: dynamic sampling drops it and
+    # frac_zero_std_groups counts it. 0 = only exact ties. Continuous rewards (PickScore, HPS, aesthetic)
+    # almost never tie, so set it to the reward's noise level there, or nothing is ever dropped and groups of
+    # pure noise get unit advantages.
+    min_group_std: float = 0.0
     max_resample_rounds: int = 3
     on_budget_exhausted: str = "warn"  # warn (train on what was found) | error
 
     def __post_init__(self) -> None:
         _check(0 < self.epsilon_low < 1, "algo.epsilon_low", "must be in (0, 1).")
         _check(self.epsilon_high > 0, "algo.epsilon_high", "must be > 0.")
+        _check_choice(self.importance_sampling_level, ("token", "sequence"), "algo.importance_sampling_level")
+        _check(self.min_group_std >= 0, "algo.min_group_std", "must be >= 0 (0 = only exact ties are flat).")
         _check_choice(
             self.loss_aggregation,
             ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
@@ -438,6 +629,38 @@ class DiTTrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
+        self._check_algo_with_sampling()
+
+    def _check_algo_with_sampling(self) -> None:
+        # GRPO-Guard's re-centring assumes Gaussian log-probs; Flow-GRPO's CPS log-prob has no 1 / (2 std^2).
+        _check(
+            self.algo.ratio_norm != "grpo_guard"
+            or self.sampling.sde_type == "flow_sde"
+            or self.sampling.cps_log_prob == "gaussian",
+            "algo.ratio_norm",
+            "grpo_guard needs Gaussian log-probs; with sde_type=cps set sampling.cps_log_prob=gaussian.",
+        )
+
+
+@dataclass
+class NFTTrainConfig(DiTTrainConfig):
+    """`python train_dit.py --config configs/nft_training.yaml`: DiffusionNFT on the GLM-Image DiT decoder."""
+
+    run_name: str = "nft"
+    algo: NFTConfig = field(default_factory=NFTConfig)  # type: ignore[assignment]
+
+    def _check_algo_with_sampling(self) -> None:
+        pass  # NFT samples with the ODE: no log-probs, so no GRPO-Guard
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The old model is a copy of the unsharded trainable weights (or swapped into them): FSDP and
+        # DeepSpeed shard those, so only DDP keeps the old model's forward passes correct.
+        _check(
+            self.trainer.strategy == "ddp",
+            "trainer.strategy",
+            f"DiffusionNFT runs under ddp only, got '{self.trainer.strategy}'; set trainer.strategy=ddp.",
+        )
 
 
 @dataclass
@@ -464,7 +687,13 @@ class ARTrainConfig:
         )
 
 
-SCHEMAS: dict[str, type] = {"dit_schema": DiTTrainConfig, "ar_schema": ARTrainConfig}
+SCHEMAS: dict[str, type] = {
+    "dit_schema": DiTTrainConfig,
+    "nft_schema": NFTTrainConfig,
+    "ar_schema": ARTrainConfig,
+}
+# `algo.name` of a saved DiT config -> its schema (configs saved before `algo.name` existed are Flow-GRPO).
+DIT_SCHEMAS: dict[str, type] = {"flow_grpo": DiTTrainConfig, "nft": NFTTrainConfig}
 
 
 def register_configs() -> None:
@@ -702,6 +931,10 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Any
     schema = {"dit": DiTTrainConfig, "ar": ARTrainConfig}.get(component)
     if schema is None:
         raise ConfigError("component", f"'{component}' in {path} is neither 'dit' nor 'ar'.")
+    if component == "dit":
+        algo_name = OmegaConf.select(saved, "algo.name", default="flow_grpo")
+        _check_choice(algo_name, tuple(DIT_SCHEMAS), "algo.name")
+        schema = DIT_SCHEMAS[algo_name]
     try:
         cfg = OmegaConf.merge(
             OmegaConf.structured(schema), saved, OmegaConf.from_dotlist(list(overrides or []))
@@ -758,6 +991,7 @@ __all__ = [
     "ConfigError",
     "DiTTrainConfig",
     "MISSING",
+    "NFTTrainConfig",
     "config_to_yaml",
     "load_config",
     "parse_command_line",

@@ -28,6 +28,16 @@ MORE_DOCS: dict[str, dict[str, str]] = {
         "run_name": "names the default output folder outputs/<run_name>-<time> and the tracker run",
         "component": "the half of GLM-Image that trains: dit here (train_ar.py trains ar)",
     },
+    "NFTTrainConfig": {
+        "run_name": "names the default output folder outputs/<run_name>-<time> and the tracker run",
+        "component": "the half of GLM-Image that trains: dit here (train_ar.py trains ar)",
+    },
+    "NFTConfig": {
+        "name": "the DiT algorithm: nft here (configs/t2i_training.yaml trains flow_grpo)",
+        "timestep_fraction": "the update noises each clean latent at int(sampling.num_steps * this) times",
+        "num_inner_epochs": "passes over each rollout's samples",
+        "ema_decay": "decay of the evaluation EMA (algo.ema)",
+    },
     "ARTrainConfig": {
         "run_name": "names the default output folder outputs/<run_name>-<time> and the tracker run",
         "component": "the half of GLM-Image that trains: ar here (train_dit.py trains dit)",
@@ -49,6 +59,8 @@ MORE_DOCS: dict[str, dict[str, str]] = {
     "DataConfig": {"num_generations": "samples per prompt (a group); group-relative advantages need >= 2"},
     "RewardConfig": {
         "names": "registered rewards (ocr, pickscore, ...) or your own module:function (README, Rewards)",
+        "retry_backoff_s": "seconds before the first retry of a retryable reward; doubled for each next one",
+        "on_failure": "after the retries: error (stop every rank) | skip (no update this step, counted)",
     },
     "DiTSamplingConfig": {
         "height": "image height in pixels, a multiple of 32",
@@ -57,6 +69,9 @@ MORE_DOCS: dict[str, dict[str, str]] = {
         "guidance_scale": "classifier-free guidance of the DiT (<= 1 disables it)",
         "noise_level": "SDE noise level (Flow-GRPO's a; 0 = the deterministic ODE sampler)",
         "sde_window_end": "end of the SDE window (exclusive); -1 = through the last step",
+        "sde_window_range": "[lo, hi]: where a random or progressive SDE window lies (hi -1 = num_steps - 1)",
+        "sde_window_stride": "progressive windows: steps the window moves each time it moves",
+        "sde_window_every": "progressive windows: training steps between two moves of the window",
     },
     "ARSamplingConfig": {
         "height": "image height in pixels, a multiple of 32",

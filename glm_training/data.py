@@ -39,7 +39,16 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         )
     prompts: list[Prompt] = []
     is_jsonl = path.suffix == ".jsonl"
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the first prompt
+    except UnicodeDecodeError as err:
+        number = data[: err.start].count(b"\n") + 1
+        raise PromptFileError(
+            f"{path}:{number}: not UTF-8 text (byte {err.start}: {data[err.start : err.start + 1]!r}); save "
+            "the prompt file as UTF-8."
+        ) from None
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or (not is_jsonl and line.startswith("#")):
             continue

@@ -244,3 +244,130 @@ def shard_bounds(total: int, rank: int, num_ranks: int) -> tuple[int, int]:
 
 def flatten(nested: Sequence[Sequence[T]]) -> list[T]:
     return [item for part in nested for item in part]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Failure detection: which phase a rank is in, bounded collectives, and one message naming both.
+#
+# A rank that dies (its sockets close) makes gloo raise at once in the survivors; one that stalls (SIGSTOP, a
+# hung kernel) is caught by the process group's own timeout, which torch enforces in every collective,
+# including DDP's gradient all-reduce. This module only adds what torch cannot know: the training step and
+# the phase the survivor was in when the collective failed.
+
+PHASES = ("start-up", "rollout", "reward gather", "update", "checkpoint", "evaluation", "shutdown")
+_current = {"phase": "start-up", "step": None}
+
+
+class CollectiveFailure(RuntimeError):
+    """Another rank died or stopped answering; the message names this rank, the step and the phase."""
+
+
+def set_phase(name: str, step: int | None = None) -> None:
+    """Mark what this rank is doing from now on (one of `PHASES`; `step` None keeps the current step).
+
+    A plain setter, not a scope: the phase stays until the next one is set, so after a failure (or a kill) it
+    is the phase the rank was in, for the message that names it.
+    """
+    if name not in PHASES:
+        raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
+    _current.update(phase=name, step=step if step is not None else _current["step"])
+    _publish_phase()
+
+
+def _store():
+    """The rendezvous key-value store (torchrun's agent hosts it, so it outlives a dead worker), or None."""
+    if not is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _publish_phase() -> None:
+    """Leave this rank's step and phase in the store, where a survivor can read them after a failure."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(f"glm_training/phase/{dist.get_rank()}", f"{_current['step']}|{_current['phase']}")
+    except (RuntimeError, ValueError):
+        pass  # best effort: the store is only read to improve an error message
+
+
+def peer_phases() -> dict[int, str]:
+    """{rank: "step S, phase 'P'"}: where every other rank last said it was (what the store still holds)."""
+    store = _store()
+    if store is None:
+        return {}
+    found = {}
+    for rank in range(dist.get_world_size()):
+        key = f"glm_training/phase/{rank}"
+        try:
+            if rank == dist.get_rank() or not store.check([key]):
+                continue
+            step, _, name = store.get(key).decode().partition("|")
+        except (RuntimeError, ValueError):
+            return found
+        found[rank] = f"step {step}, phase '{name}'" if step != "None" else f"phase '{name}'"
+    return found
+
+
+def current_phase() -> tuple[str, int | None]:
+    return _current["phase"], _current["step"]
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A collective that failed because a peer died or timed out (gloo and NCCL raise various types)."""
+    if isinstance(err, CollectiveFailure):
+        return True
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        needle in text for needle in ("gloo", "nccl", "connection closed by peer", "timed out waiting")
+    )
+
+
+def describe_failure(err: BaseException, timeout_s: float | None) -> str:
+    """One line: this rank, the step and phase it was in, what torch reported, and the bound that applied."""
+    name, step = current_phase()
+    rank = dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+    where = f"step {step}" if step is not None else "start-up"
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    bound = f" (bound: trainer.dist_timeout_s={timeout_s:g})" if timeout_s else ""
+    # A rank still in an earlier step or another phase than this one is the one that died or stalled.
+    mine = f"step {step}, phase '{name}'" if step is not None else f"phase '{name}'"
+    others = peer_phases()
+    behind = {r: where for r, where in others.items() if where != mine}
+    peers = "; ".join(f"rank {r} was last in {w}" for r, w in sorted((behind or others).items()))
+    return (
+        f"rank {rank}: a collective failed at {where}, phase '{name}': another rank died or stopped "
+        f"answering{bound}.{' ' + peers + '.' if peers else ''} torch reported: {cause}. If a rank died, "
+        "the launcher's summary names it."
+    )
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """Bound every later collective (ours and DDP's) by `timeout_s`; the process group stays the same.
+
+    The process group starts with the loading bound (rank 0 may download a model while the others wait at a
+    barrier); once training runs, a step's collectives should fail within minutes when a peer is gone.
+    """
+    if not is_initialized():
+        return
+    try:
+        # Private, but the one way to change a live group's timeout (gloo and NCCL alike); torch >= 2.2.
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError:
+        logger.warning("this torch cannot change the process group's timeout; the loading bound stays")
+        return
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank: the one point where ranks agree to skip or stop."""
+    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0]), op="max").item())

@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -83,16 +84,29 @@ def rank_batches(num_prompts: int, batch_size: int, rank: int, world_size: int) 
 
 
 @torch.no_grad()
-def sample_batch(pipeline, texts: list[str], sampling: EvalSampling, device: torch.device) -> list:
-    """One deterministic image per prompt of one batch (see the module docstring)."""
+def sample_batch(
+    pipeline,
+    texts: list[str],
+    sampling: EvalSampling,
+    device: torch.device,
+    prior_tokens: Callable[[list[str]], torch.Tensor] | None = None,
+) -> list:
+    """One deterministic image per prompt of one batch (see the module docstring).
+
+    `prior_tokens`: texts -> [B, L] tokens from a prior cache (`glm_training.priors`), made from the same
+    seeds, instead of the AR model (which a cached run does not load).
+    """
     seeds = [prompt_seed(sampling.seed, t) for t in texts]
-    # One AR call per prompt: its tokens depend on its own seed only.
-    prior = torch.cat(
-        [
-            generate_prior_tokens(pipeline, [t], sampling.height, sampling.width, seed=x)
-            for t, x in zip(texts, seeds)
-        ]
-    )
+    if prior_tokens is not None:
+        prior = prior_tokens(texts)
+    else:
+        # One AR call per prompt: its tokens depend on its own seed only.
+        prior = torch.cat(
+            [
+                generate_prior_tokens(pipeline, [t], sampling.height, sampling.width, seed=x)
+                for t, x in zip(texts, seeds)
+            ]
+        )
     latents = seeded_latents(pipeline, seeds, sampling.height, sampling.width)
     return render_with_pipeline(
         pipeline,
@@ -116,6 +130,7 @@ def evaluate_prompts(
     rank: int = 0,
     world_size: int = 1,
     num_grid_images: int | None = None,
+    prior_tokens: Callable[[list[str]], torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], list]:
     """Sample and score every prompt; ranks take whole batches and gather the scores.
 
@@ -126,7 +141,7 @@ def evaluate_prompts(
     local = []  # (prompt index, image or None, {reward name: score})
     for batch in rank_batches(len(prompts), sampling.batch_size, rank, world_size):
         texts = [prompts[i].text for i in batch]
-        images = sample_batch(pipeline, texts, sampling, device)
+        images = sample_batch(pipeline, texts, sampling, device, prior_tokens)
         parts = reward_set(images, texts, [prompts[i].metadata for i in batch])
         for j, (i, image) in enumerate(zip(batch, images)):
             keep = num_grid_images is None or i < num_grid_images
@@ -274,6 +289,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
         pipeline = GlmImagePipeline.from_pretrained(
             resolve_model_path(cfg.model.name, cfg.model.tiny_seed, cfg.model.shape_layers()), dtype=dtype
         )
+    _apply_chained_weights(pipeline, cfg, [info.component for info in infos] if args.checkpoint else [])
     device = dist.choose_device(0)
     pipeline.to(device)
     pipeline.set_progress_bar_config(disable=True)
@@ -282,6 +298,22 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
     path = write_evaluation(output, step, result, *grid_samples(result, images, cfg.eval.num_grid_images))
     print(json.dumps({"step": step, **eval_scalars(result)}))
     return f"evaluation written to {path}"
+
+
+def _apply_chained_weights(pipeline, cfg: Any, given: list[str]) -> None:
+    """The run's `model.ar_weights` / `model.dit_weights` for the halves no `--checkpoint` supplies.
+
+    A DiT run chained to a trained AR model (and trained on priors cached from it) is evaluated with that AR
+    model: its live tokens are the cached ones, so the numbers equal the training-time evaluation's.
+    """
+    from glm_training.models.frozen_weights import WEIGHT_KEYS, apply_weights_source, resolve_weights_source
+
+    for component in WEIGHT_KEYS:
+        if component in given or component == cfg.component:
+            continue
+        source = resolve_weights_source(cfg.model, component)
+        if source is not None:
+            apply_weights_source(pipeline, source)
 
 
 if __name__ == "__main__":

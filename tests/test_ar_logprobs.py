@@ -15,7 +15,9 @@ from glm_training.rollout.ar import (
     HF_DEFAULT_TOP_K,
     HF_DEFAULT_TOP_P,
     SamplingParams,
+    generation_speed_kwargs,
     process_logits,
+    resolve_sampling_params,
     sample_image_tokens,
     teacher_forced_log_probs,
 )
@@ -152,6 +154,19 @@ def test_from_pipeline_resolves_hf_defaults(pipeline):
     )
     params = SamplingParams.from_pipeline(pipeline)
     assert params == SamplingParams(temperature=0.9, top_p=0.75, top_k=50, codebook_size=NUM_VISION_TOKENS)
+
+
+def test_unset_sampling_knobs_are_the_pipelines_own(pipeline):
+    own = SamplingParams.from_pipeline(pipeline)
+    params, line = resolve_sampling_params(pipeline, None, None, None)
+    assert params == own
+    assert line == "AR sampling: temperature=0.9 top_p=0.75 top_k=50 (from the pipeline's generation config)"
+    params, line = resolve_sampling_params(pipeline, 1.0, 1.0, 0)
+    assert params == SamplingParams(temperature=1.0, top_p=1.0, top_k=0, codebook_size=own.codebook_size)
+    assert line == "AR sampling: temperature=1.0 top_p=1.0 top_k=0 (set)"
+    params, line = resolve_sampling_params(pipeline, 1.3, None, 0)
+    assert params == SamplingParams(temperature=1.3, top_p=0.75, top_k=0, codebook_size=own.codebook_size)
+    assert line.endswith("(temperature, top_k set; top_p from the pipeline's generation config)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,3 +368,57 @@ def test_positions_guard(pipeline, samples):
     # full sequence itself; explicit positions stay correct, and this line can go.
     window = slice(prompt_len, length - 1)
     assert (own[:, window] - given[:, window]).abs().max() > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# faster generation: static KV cache, torch.compile of the decoding step
+
+
+def _assert_same_distribution(fast, reference, pipeline, params):
+    """Same tokens; log-probs equal up to fp32 rounding; positions equal up to a per-sample shift.
+
+    Not bitwise: the static cache attends over its preallocated length (masked), so the attention's sums
+    are shaped differently (measured difference 4.8e-7); and transformers lays out a left-padded prompt's
+    M-RoPE positions from the first column instead of the first real token, a constant shift per sample
+    that rotary embeddings (relative) do not see.
+    """
+    assert torch.equal(fast.input_ids, reference.input_ids)
+    assert torch.equal(fast.completion_mask, reference.completion_mask)
+    mask = reference.completion_mask
+    torch.testing.assert_close(
+        fast.sampling_log_probs[mask], reference.sampling_log_probs[mask], rtol=0, atol=1e-5
+    )
+    attended = reference.attention_mask.bool()
+    for b in range(fast.input_ids.shape[0]):
+        shift = fast.position_ids[:, b, attended[b]] - reference.position_ids[:, b, attended[b]]
+        assert (shift == shift[0, 0]).all()
+    # The positions recorded are the ones the fast path used: teacher forcing reproduces its log-probs.
+    with torch.no_grad():
+        log_probs = teacher_forced_log_probs(pipeline.vision_language_encoder, fast, params)
+    torch.testing.assert_close(log_probs[mask], fast.sampling_log_probs[mask], rtol=0, atol=1e-5)
+
+
+def test_static_cache_samples_the_same_tokens_and_log_probs(pipeline, samples):
+    params = SamplingParams.from_pipeline(pipeline)
+    assert not samples.attention_mask[:, 0].all(), "the batch should be left-padded"
+    fast = sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, static_cache=True)
+    _assert_same_distribution(fast, samples, pipeline, params)
+
+
+@pytest.mark.slow  # compiling the decoding step takes ~30 s on a CPU core
+def test_compiled_decoding_samples_the_same_tokens_and_log_probs(pipeline, samples):
+    params = SamplingParams.from_pipeline(pipeline)
+    fast = sample_image_tokens(
+        pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, static_cache=True, compile=True
+    )
+    _assert_same_distribution(fast, samples, pipeline, params)
+
+
+def test_generation_speed_kwargs():
+    assert generation_speed_kwargs(False, False) == {}
+    # A static cache alone must not compile (transformers would, on CUDA, by default).
+    assert generation_speed_kwargs(True, False) == {"cache_implementation": "static", "disable_compile": True}
+    kwargs = generation_speed_kwargs(True, True)
+    assert kwargs["cache_implementation"] == "static" and kwargs["compile_config"]._compile_all_devices
+    with pytest.raises(ValueError, match="static_cache"):
+        generation_speed_kwargs(False, True)

@@ -11,7 +11,7 @@ from conftest import PYTHON, REPO, run_cli, torchrun
 from safetensors.torch import load_file
 
 from glm_training.cli import run
-from glm_training.config import load_config
+from glm_training.config import ConfigError, load_config
 from glm_training.metrics import read_metrics
 from glm_training.trainers.ar_trainer import ARTrainer
 
@@ -33,13 +33,24 @@ SMALL = [
         ("sampling.temperature=1.0",),
         ("sampling.temperature=0.7", "sampling.top_p=0.8", "algo.dynamic_sampling=false"),
         ("sampling.temperature=1.3", "sampling.top_k=20", "algo.beta=0.05", "model.lora.enabled=true"),
+        # GSPO with its own clip ranges; every group under the threshold (counted, still trained without
+        # dynamic sampling).
+        (
+            "algo.importance_sampling_level=sequence",
+            "algo.epsilon_low=3e-4",
+            "algo.epsilon_high=4e-4",
+            "algo.dynamic_sampling=false",
+            "algo.min_group_std=1e9",
+        ),
     ],
-    ids=["plain", "temp0.7-topp0.8-no-dynamic-sampling", "temp1.3-topk20-kl-lora"],
+    ids=["plain", "temp0.7-topp0.8-no-dynamic-sampling", "temp1.3-topk20-kl-lora", "gspo-all-flat"],
 )
 def test_first_inner_step_ratio_is_exactly_one(tmp_path, sampling):
     cfg = load_config([*SMALL, f"trainer.output_dir={tmp_path}", *sampling], "ar_training")
     trainer = ARTrainer(cfg)
     batch = trainer._collect(0)
+    if cfg.algo.min_group_std > 0:
+        assert batch.stats["frac_zero_std_groups"] == 1.0
     stats = trainer._update(batch, 0)
     assert stats["approx_kl"] == 0.0 and stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
     assert stats["kl"] == 0.0
@@ -70,7 +81,7 @@ def _prompt_file(tmp_path, noisy: int, flat: int):
     return path
 
 
-def _dist_ar(tmp_path, prompts, *extra: str):
+def _dist_ar(tmp_path, prompts, *extra: str, reward: str = "flat_unless_noisy"):
     out = tmp_path / "reports"
     out.mkdir()
     args = [
@@ -78,7 +89,12 @@ def _dist_ar(tmp_path, prompts, *extra: str):
         *SMALL,
         f"data.prompt_file={prompts}",
         "data.num_groups_per_step=4",
-        "reward.names=[flat_unless_noisy]",
+        f"reward.names=['{reward}']",
+        # At 32x32 the large grid is one token; with the pipeline's top-p 0.75 the two samples of a group
+        # often pick the same one and tie, so "noisy" prompts would not reliably have reward spread.
+        "sampling.temperature=1.0",
+        "sampling.top_p=1.0",
+        "sampling.top_k=0",
         "trainer.num_steps=1",
         f"trainer.output_dir={tmp_path / 'run'}",
         *extra,
@@ -112,6 +128,38 @@ def test_dynamic_sampling_keeps_two_ranks_in_step(tmp_path):
 
 
 @pytest.mark.distributed
+def test_min_group_std_drops_the_groups_with_tiny_spread_on_both_ranks(tmp_path):
+    # Rank 1's reward is rank 0's times 1e-6: its groups have a tiny, non-zero spread. With
+    # min_group_std=1e-4 exactly those are flat; each round then yields rank 0's 2 groups, so 2 rounds.
+    prompts = _prompt_file(tmp_path, noisy=12, flat=0)
+    reward = REPO / "tests" / "user_rewards" / "rank_spread.py"
+    result, reports = _dist_ar(
+        tmp_path,
+        prompts,
+        "algo.min_group_std=1e-4",
+        "algo.max_resample_rounds=3",
+        reward=f"{reward}:jpeg_size_tiny_on_rank1",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    r0, r1 = reports
+    assert r0["finished"] and r1["finished"]
+    assert r0["decisions"] == r1["decisions"]  # the same decisions from the same gathered data
+    assert r0["stats"] == r1["stats"]
+    decisions = r0["decisions"]
+    tiny = [d for d in decisions if max(abs(x) for x in d["rewards"]) < 1e-3]  # generated on rank 1
+    assert len(tiny) == len(decisions) // 2 >= 2
+    # Never exact ties (today's rule would keep them all), yet all dropped.
+    assert all(max(d["rewards"]) > min(d["rewards"]) and not d["kept"] for d in tiny)
+    for d in decisions:
+        assert d["kept"] == (float(np.std(d["rewards"])) >= 1e-4)
+    assert r0["stats"]["resample_rounds"] == 2 and r0["stats"]["valid_groups"] == 4
+    # frac_zero_std_groups is the fraction under the threshold: the dropped groups of every round.
+    assert r0["stats"]["frac_zero_std_groups"] == sum(not d["kept"] for d in decisions) / len(decisions)
+    assert r0["num_samples"] == r1["num_samples"] == 4
+    assert r0["approx_kl"] == 0.0 and r0["ratio_mean"] == 1.0
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["error", "warn"])
 def test_dynamic_sampling_budget_exhausted(tmp_path, mode):
     # One noisy prompt among eight, one extra round: at most 2 valid groups of the 4 wanted.
@@ -137,14 +185,40 @@ def test_dynamic_sampling_budget_exhausted(tmp_path, mode):
 def test_default_run_completes_and_the_reward_rises(tmp_path):
     result = run_cli([PYTHON, "train_ar.py", f"trainer.output_dir={tmp_path}"], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The policy trained is the pipeline's own sampling distribution, logged once.
+    line = "AR sampling: temperature=0.9 top_p=0.75 top_k=50 (from the pipeline's generation config)"
+    assert (result.stdout + result.stderr).count(line) == 1
     rows = read_metrics(tmp_path / "metrics.jsonl")
     rewards = np.array([r["reward_mean"] for r in rows])
     assert len(rows) >= 30
-    # The default run gains ~2 (kB of JPEG, from about -52.2) with a per-step noise of ~0.1-0.2.
+    # The default run gains ~2 (kB of JPEG, from about -52.4; measured +1.93) with a per-step noise of
+    # ~0.1-0.2.
     assert rewards[-5:].mean() - rewards[:5].mean() > 0.8, rewards.round(3).tolist()
     # The held-out evaluation (deterministic sampling, before training and every 15 steps) gains too.
     evals = {
         int(p.stem): json.loads(p.read_text())["reward_mean"] for p in (tmp_path / "eval").glob("*.json")
     }
     assert sorted(evals) == [0, 15, 30]
-    assert evals[30] - evals[0] > 1.0, evals  # measured: -52.22 -> -49.67
+    assert evals[30] - evals[0] > 1.0, evals  # measured: -52.22 -> -50.00
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("sampling.compile=true", "sampling.compile"),  # needs sampling.static_cache=true
+        ("algo.importance_sampling_level=seq", "algo.importance_sampling_level"),
+        ("algo.min_group_std=-0.1", "algo.min_group_std"),
+        ("sampling.top_p=0", "sampling.top_p"),
+    ],
+)
+def test_bad_issue14_settings_fail_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config([override], "ar_training")
+    assert err.value.key == key
+
+
+def test_sampling_knobs_default_to_the_pipelines_own():
+    cfg = load_config([], "ar_training")
+    assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (None, None, None)
+    assert not cfg.sampling.static_cache and not cfg.sampling.compile
+    assert cfg.algo.importance_sampling_level == "token" and cfg.algo.min_group_std == 0.0

@@ -227,12 +227,19 @@ def test_cps_by_hand() -> None:
     # sqrt(0.25^2 - 0.125^2) = sqrt(0.046875) = 0.21650635
     # x = 2, v = 1: x0_hat = 2 - 0.5 = 1.5, x1_hat = 2 + 0.5 = 2.5
     # mean = 0.75 * 1.5 + 0.21650635 * 2.5 = 1.66626588; z = 0.4 -> x_next = 1.66626588 + 0.05 = 1.71626588
-    # lp = -(0.05)^2/(2 * 0.015625) - log 0.125 - c = -0.08 + 2.07944154 - 0.91893853 = 1.08050301
+    # Flow-GRPO's CPS log-prob (default): -(0.05)^2 = -0.0025
+    # full Gaussian: -(0.05)^2/(2 * 0.015625) - log 0.125 - c = -0.08 + 2.07944154 - 0.91893853 = 1.08050301
     step = cps_step(_latents(2.0), _latents(1.0), 0.5, 0.25, 1.0 / 3.0, noise=_latents(0.4))
     torch.testing.assert_close(step.std, torch.full((1, 1, 1, 1), 0.125), atol=1e-7, rtol=0)
+    torch.testing.assert_close(step.std_dev_t, step.std, atol=0, rtol=0)  # Flow-GRPO's std_dev_t for CPS
     torch.testing.assert_close(step.mean, _latents(1.66626588), atol=1e-6, rtol=0)
     torch.testing.assert_close(step.prev_sample, _latents(1.71626588), atol=1e-6, rtol=0)
-    torch.testing.assert_close(step.log_prob, torch.tensor([1.08050301]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(step.log_prob, torch.tensor([-0.0025]), atol=1e-7, rtol=0)
+    full = cps_step(
+        _latents(2.0), _latents(1.0), 0.5, 0.25, 1.0 / 3.0, noise=_latents(0.4), log_prob="gaussian"
+    )
+    torch.testing.assert_close(full.prev_sample, step.prev_sample, atol=0, rtol=0)
+    torch.testing.assert_close(full.log_prob, torch.tensor([1.08050301]), atol=1e-5, rtol=0)
 
 
 def test_cps_noise_level_zero_is_euler() -> None:
@@ -265,7 +272,7 @@ def test_cps_log_prob_matches_torch_normal_and_grad() -> None:
     sig, sig_next = torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.9, 0.5, 0.2])
     with torch.no_grad():
         y = cps_step(x, v, sig, sig_next, 0.7, generator=g).prev_sample
-    step = cps_step(x, v, sig, sig_next, 0.7, prev_sample=y)
+    step = cps_step(x, v, sig, sig_next, 0.7, prev_sample=y, log_prob="gaussian")
     torch.testing.assert_close(step.log_prob, _normal_log_prob(y, step.mean, step.std), atol=1e-5, rtol=1e-6)
 
     (grad,) = torch.autograd.grad(step.log_prob.sum(), v)
@@ -277,3 +284,36 @@ def test_cps_log_prob_matches_torch_normal_and_grad() -> None:
     ref = Normal(mean, std.expand_as(mean)).log_prob(y).mean(dim=(1, 2, 3))
     (grad_ref,) = torch.autograd.grad(ref.sum(), v2)
     torch.testing.assert_close(grad, grad_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cps_flow_grpo_log_prob_is_the_negative_mse_with_its_gradient() -> None:
+    # Flow-GRPO's CPS reduction (sd3_sde_with_logprob.py, sde_type == "cps"): -mean((x - m)^2), written
+    # independently here with F.mse_loss on an independently written CPS mean.
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 2, 4, 4, generator=g)
+    v = torch.randn(3, 2, 4, 4, generator=g, requires_grad=True)
+    sig, sig_next = torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.9, 0.5, 0.2])
+    with torch.no_grad():
+        y = cps_step(x, v, sig, sig_next, 0.7, generator=g).prev_sample
+    step = cps_step(x, v, sig, sig_next, 0.7, prev_sample=y)
+    v2 = v.detach().clone().requires_grad_(True)
+    s, sn = sig.reshape(3, 1, 1, 1), sig_next.reshape(3, 1, 1, 1)
+    std = sn * math.sin(0.7 * math.pi / 2)
+    mean = (1 - sn) * (x - s * v2) + torch.sqrt(sn**2 - std**2) * (x + (1 - s) * v2)
+    ref = -torch.nn.functional.mse_loss(mean, y, reduction="none").mean(dim=(1, 2, 3))
+    torch.testing.assert_close(step.log_prob, ref, atol=1e-6, rtol=1e-6)
+    (grad,) = torch.autograd.grad(step.log_prob.sum(), v)
+    (grad_ref,) = torch.autograd.grad(ref.sum(), v2)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-5)
+    # A deterministic step (std 0) has log-prob 0 under either reduction.
+    last = cps_step(x, v.detach(), 0.1, 0.0, 0.7, prev_sample=y)
+    assert torch.equal(last.log_prob, torch.zeros(3))
+
+
+def test_flow_sde_reports_flow_grpos_std_dev_t_and_the_velocity() -> None:
+    # s = 0.5 -> 0.25, a = 1: std_dev_t = sqrt(0.5 / 0.5) = 1 (Flow-GRPO's value, no sqrt(-dt));
+    # the transition std is std_dev_t sqrt(0.25) = 0.5
+    step = flow_sde_step(_latents(2.0, 0.0), _latents(1.0, 2.0), 0.5, 0.25, 1.0, noise=_latents(0.4, -1.0))
+    torch.testing.assert_close(step.std_dev_t, torch.ones(1, 1, 1, 1), atol=1e-7, rtol=0)
+    torch.testing.assert_close(step.std, torch.full((1, 1, 1, 1), 0.5), atol=1e-7, rtol=0)
+    torch.testing.assert_close(step.velocity, _latents(1.0, 2.0), atol=0, rtol=0)

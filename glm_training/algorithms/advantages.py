@@ -89,6 +89,28 @@ def zero_std_groups(rewards_gk: Tensor, atol: float = 0.0) -> Tensor:
     return spread_g <= atol
 
 
+def flat_groups(rewards_gk: Tensor, min_std: float = 0.0) -> Tensor:
+    """Groups without usable reward spread: population std ``< min_std``, or all equal when ``min_std == 0``.
+
+    With ``min_std = 0`` this is exactly :func:`zero_std_groups` (ties only). Continuous rewards almost never
+    tie, so a threshold at the reward's noise level is what makes DAPO's dynamic sampling drop groups whose
+    spread is noise (their normalised advantages would otherwise be noise scaled up to unit size).
+
+    Args:
+        rewards_gk: ``[num_groups, group_size]``.
+        min_std: threshold on the population std of each group, ``>= 0``.
+
+    Returns:
+        ``[num_groups]`` bool.
+    """
+    if min_std < 0:
+        raise ValueError(f"min_std must be >= 0; got {min_std}")
+    if min_std == 0:
+        return zero_std_groups(rewards_gk)
+    rewards_gk = _check_groups(rewards_gk)
+    return rewards_gk.std(dim=1, unbiased=False) < min_std
+
+
 def rewards_to_groups(rewards_n: Tensor, group_ids_n: Tensor) -> tuple[Tensor, Tensor]:
     """Arrange flat rewards into ``[num_groups, group_size]`` by group id.
 

@@ -9,7 +9,10 @@ step goes from sigma ``s`` to ``s_next < s``, so ``dt = s_next - s < 0``.
 
 Reduction: the log-probability of a step is the per-element Gaussian log-density **averaged** (not
 summed) over all non-batch elements, as in Flow-GRPO. This keeps log-probs O(1) whatever the latent
-size, and is why Flow-GRPO's clip range is tiny (1e-4).
+size, and is why Flow-GRPO's clip range is tiny (1e-4). For CPS, Flow-GRPO's own code
+(`flow_grpo/diffusers_patch/sd3_sde_with_logprob.py`, `sde_type == "cps"`) keeps only the squared
+error, ``-mean((x - m)^2)``: no ``1 / (2 std^2)``, no constants. That is the default here too
+(``log_prob="flow_grpo"``); ``log_prob="gaussian"`` gives the full density (:data:`LOG_PROBS`).
 
 All math runs in float32 whatever the dtype of the latents (bf16 latents work). A step whose
 transition std is 0 (noise level 0, or the CPS step onto ``s_next == 0``) is deterministic and has no
@@ -19,6 +22,7 @@ density; its log-prob is defined as 0, so the policy ratio of such a step is exa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +40,17 @@ class SDEStep:
         log_prob: ``[B]`` float32, log-density of ``prev_sample``, mean over non-batch elements.
         mean: ``[B, ...]`` float32 transition mean.
         std: ``[B, 1, ..., 1]`` float32 transition std (for the flow SDE it includes ``sqrt(-dt)``).
+        std_dev_t: ``[B, 1, ..., 1]`` float32, the std Flow-GRPO returns as ``std_dev_t`` and divides its
+            KL by: ``a sqrt(s / (1 - s'))`` for the flow SDE (without ``sqrt(-dt)``), ``std`` for CPS.
+        velocity: ``[B, ...]`` float32, the (guided) velocity the step used.
     """
 
     prev_sample: Tensor
     log_prob: Tensor
     mean: Tensor
     std: Tensor
+    std_dev_t: Tensor
+    velocity: Tensor
 
 
 def _sigma_like(sigma: float | Tensor, latents: Tensor) -> Tensor:
@@ -99,6 +108,34 @@ def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
 
 
+def squared_error_log_prob(sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Flow-GRPO's CPS "log-prob": ``-(x - m)^2`` averaged over non-batch elements (no variance, no constant).
+
+    Args:
+        sample: ``[B, ...]``.
+        mean: broadcastable to ``sample``.
+        std: broadcastable to ``sample``; only its sign is used: elements with ``std == 0``
+            (deterministic step) contribute 0, as in :func:`gaussian_log_prob`.
+
+    Returns:
+        ``[B]`` float32.
+    """
+    sample = sample.float()
+    mean = mean.float()
+    positive = std.float() > 0
+    log_prob = torch.where(positive, -((sample - mean) ** 2), torch.zeros_like(sample))
+    if log_prob.ndim <= 1:
+        return log_prob
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
+# How a step's log-prob is reduced, by name (`sampling.cps_log_prob`).
+LOG_PROBS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "gaussian": gaussian_log_prob,
+    "flow_grpo": squared_error_log_prob,
+}
+
+
 def ode_step(latents: Tensor, velocity: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:
     """Euler step ``x + v * (s_next - s)``.
 
@@ -127,6 +164,10 @@ def _finish_step(
     noise: Tensor | None,
     generator: torch.Generator | None,
     prev_sample: Tensor | None,
+    *,
+    std_dev_t: Tensor,
+    velocity: Tensor,
+    log_prob_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = gaussian_log_prob,
 ) -> SDEStep:
     std = _per_sample(std, latents)
     if prev_sample is None:
@@ -135,8 +176,15 @@ def _finish_step(
         prev_sample = torch.where(std > 0, mean + std * z, mean).to(latents.dtype)
     # The log-prob is of the sample as returned (after the dtype cast) and treats it as data, so
     # recomputing it later from the recorded trajectory gives the same number: ratio exactly 1.
-    log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
-    return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+    log_prob = log_prob_fn(prev_sample.detach(), mean, std)
+    return SDEStep(
+        prev_sample=prev_sample,
+        log_prob=log_prob,
+        mean=mean,
+        std=std,
+        std_dev_t=_per_sample(std_dev_t, latents),
+        velocity=velocity,
+    )
 
 
 def flow_sde_step(
@@ -178,7 +226,7 @@ def flow_sde_step(
     v = velocity.float()
     mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
     std = std_t * torch.sqrt(-dt)
-    return _finish_step(latents, mean, std, noise, generator, prev_sample)
+    return _finish_step(latents, mean, std, noise, generator, prev_sample, std_dev_t=std_t, velocity=v)
 
 
 def cps_step(
@@ -191,6 +239,7 @@ def cps_step(
     noise: Tensor | None = None,
     generator: torch.Generator | None = None,
     prev_sample: Tensor | None = None,
+    log_prob: str = "flow_grpo",
 ) -> SDEStep:
     """One coefficients-preserving ("CPS") stochastic step with noise level ``a``.
 
@@ -199,12 +248,12 @@ def cps_step(
     ``std = s_next sin(a pi / 2)``, ``mean = (1 - s_next) x0_hat + sqrt(s_next^2 - std^2) x1_hat``,
     ``x_next = mean + std z``. With ``a = 0`` the mean equals the Euler step (up to rounding).
 
-    The log-prob is the full Gaussian log-density (same reduction as :func:`flow_sde_step`). Flow-GRPO's
-    own CPS code keeps only ``-(x - m)^2`` (no ``1 / (2 std^2)`` and no constants), so its clip range
-    does not carry over to this function unchanged.
+    ``log_prob="flow_grpo"`` (default) is Flow-GRPO's CPS reduction, ``-mean((x - m)^2)`` with no
+    ``1 / (2 std^2)`` and no constants (its Fast configs pair it with ``clip_range=1e-5``);
+    ``log_prob="gaussian"`` is the full Gaussian log-density, reduced like :func:`flow_sde_step`.
 
-    Args and returns: as :func:`flow_sde_step`. The step onto ``s_next == 0`` has std 0: it returns
-    ``x0_hat`` and a log-prob of 0.
+    Args and returns: as :func:`flow_sde_step`, plus ``log_prob`` (a key of :data:`LOG_PROBS`). The
+    step onto ``s_next == 0`` has std 0: it returns ``x0_hat`` and a log-prob of 0.
     """
     _check_shapes(latents, velocity, noise, prev_sample)
     s = _sigma_like(sigma, latents)
@@ -216,4 +265,14 @@ def cps_step(
     x1_hat = x + (1 - s) * v
     # clamp: s_next^2 - std^2 can round below 0 at a = 1.
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * x1_hat
-    return _finish_step(latents, mean, std, noise, generator, prev_sample)
+    return _finish_step(
+        latents,
+        mean,
+        std,
+        noise,
+        generator,
+        prev_sample,
+        std_dev_t=std,
+        velocity=v,
+        log_prob_fn=LOG_PROBS[log_prob],
+    )

@@ -4,6 +4,9 @@ GLM-Image is trained one half at a time (decoupled post-training): `component="d
 transformer (`transformer`) and freezes the AR model, T5 glyph encoder and VAE; `component="ar"` trains the
 autoregressive `vision_language_encoder` and freezes the rest. The same class loads the tiny offline model
 (`model_name="tiny"`) and `zai-org/GLM-Image`, through the same `from_pretrained` call.
+
+A component that a run does not need can be left out (`skip_components`): a DiT run on cached prior tokens
+(`data.prior_cache`, see `glm_training.priors`) never loads the AR model, on any device.
 """
 
 from __future__ import annotations
@@ -43,6 +46,16 @@ def resolve_model_path(model_name: str, tiny_seed: int = 0, shape_layers: tuple[
     return str(path) if path.exists() else model_name
 
 
+def model_path(model_cfg: Any) -> str:
+    """`resolve_model_path` of a `ModelConfig` (or a run's recorded one: configs from before the real-width
+    fixture have no shape_* keys, and that fixture then has one layer per stack)."""
+    shape_layers = (
+        getattr(model_cfg, "shape_num_ar_layers", 1),
+        getattr(model_cfg, "shape_num_dit_layers", 1),
+    )
+    return resolve_model_path(model_cfg.name, model_cfg.tiny_seed, shape_layers)
+
+
 class GLMImageWrapper:
     """Load a `GlmImagePipeline` and expose its trainable component and its frozen components.
 
@@ -64,6 +77,7 @@ class GLMImageWrapper:
         max_memory: dict | None = None,
         stage_timeout_s: float = 1800.0,
         tiny_seed: int = 0,
+        skip_components: tuple[str, ...] = (),
     ):
         if component not in TRAINABLE_COMPONENTS:
             raise ValueError(f"component must be one of {sorted(TRAINABLE_COMPONENTS)}, got '{component}'.")
@@ -71,8 +85,14 @@ class GLMImageWrapper:
             device_map = "balanced"
         from diffusers import GlmImagePipeline
 
+        bad = [
+            c for c in skip_components if c not in MODEL_COMPONENTS or c == TRAINABLE_COMPONENTS[component]
+        ]
+        if bad:
+            raise ValueError(f"cannot leave out {bad}: only frozen components of {MODEL_COMPONENTS} can be.")
         self.component = component
         self.model_name = model_name
+        self.skipped = tuple(skip_components)
         path = run_stage(
             f"resolve model '{model_name}'",
             lambda: resolve_model_path(model_name, tiny_seed),
@@ -80,6 +100,8 @@ class GLMImageWrapper:
         )
         plan = PlacementPlan(False, "wrapper", device_map, None, max_memory)
         kwargs = pipeline_load_kwargs(plan, torch_dtype)
+        # diffusers loads nothing for a component passed as None; the pipeline attribute is then None.
+        kwargs.update(dict.fromkeys(self.skipped))
         self.pipeline = run_stage(
             f"from_pretrained {path} (device_map={device_map})",
             lambda: GlmImagePipeline.from_pretrained(path, **kwargs),
@@ -87,7 +109,7 @@ class GLMImageWrapper:
         )
         # Set directly: reloading a GenerationConfig from the checkpoint after loading was seen to hang.
         ar = self.pipeline.vision_language_encoder
-        if ar.generation_config.pad_token_id is None:
+        if ar is not None and ar.generation_config.pad_token_id is None:
             ar.generation_config.pad_token_id = ar.generation_config.eos_token_id
         for name, module in self.components().items():
             module.requires_grad_(name == TRAINABLE_COMPONENTS[component])
@@ -107,8 +129,8 @@ class GLMImageWrapper:
         self.pipeline.register_modules(**{self.trainable_name: module})
 
     def components(self) -> dict[str, nn.Module]:
-        """All weight-holding components, by pipeline attribute name."""
-        return {name: getattr(self.pipeline, name) for name in MODEL_COMPONENTS}
+        """All loaded weight-holding components, by pipeline attribute name (skipped ones are absent)."""
+        return {name: getattr(self.pipeline, name) for name in MODEL_COMPONENTS if name not in self.skipped}
 
     def frozen(self) -> dict[str, nn.Module]:
         return {n: m for n, m in self.components().items() if n != self.trainable_name}
@@ -129,12 +151,15 @@ def load_for_training(
     reason: str,
     device: torch.device,
     model_path: str | None = None,
+    skip_components: tuple[str, ...] = (),
+    skip_reason: str = "",
 ) -> tuple[GLMImageWrapper, PlacementPlan]:
     """Load GLM-Image and place it for training: the one code path for the tiny model and the real one.
 
     Plan (`plan_placement`) -> load with the plan's map -> refuse meta tensors by name -> move only when the
     plan says so -> log where every component landed. `model_path`: `model_cfg.name` already resolved
     (the trainers resolve it on rank 0 first, so the tiny model is built or a checkpoint fetched once).
+    `skip_components`: frozen components not to load at all (logged with `skip_reason`).
     """
     from glm_training.models.placement import check_no_meta, describe_module, parse_dtype, plan_placement
 
@@ -154,6 +179,7 @@ def load_for_training(
         max_memory=plan.max_memory,
         stage_timeout_s=model_cfg.stage_timeout_s,
         tiny_seed=model_cfg.tiny_seed,
+        skip_components=skip_components,
     )
     check_no_meta(wrapper.components())
     if plan.move_to is not None:
@@ -162,6 +188,8 @@ def load_for_training(
         )
     for name, module in wrapper.components().items():
         logger.info("[load] %s", describe_module(name, module))
+    for name in wrapper.skipped:
+        logger.info("[load] %s: not loaded (%s)", name, skip_reason or "not needed")
     return wrapper, plan
 
 

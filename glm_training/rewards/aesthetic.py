@@ -110,6 +110,8 @@ class AestheticReward(Reward):
         batch_size: images per CLIP forward pass.
     """
 
+    retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
+
     def __init__(
         self,
         clip_model: str = AESTHETIC_CLIP,

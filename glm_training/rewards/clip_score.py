@@ -41,6 +41,8 @@ class ClipScoreReward(Reward):
         prefix: text prepended to every prompt ("A photo depicts " in the paper's captioning setup).
     """
 
+    retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
+
     def __init__(
         self,
         model: str = CLIPSCORE_MODEL,

@@ -38,6 +38,7 @@ from PIL import Image
 
 from glm_training.rewards.callable_reward import CallableReward, is_callable_target, reward_name
 from glm_training.rewards.registry import Reward, build_reward, check_reward_options
+from glm_training.rewards.retry import FailurePolicy, score_reward
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,12 @@ class RewardSet:
             for name in self.names
         }
         self._executor: ThreadPoolExecutor | None = None
+        # Retries, failures and non-finite scores (see `rewards/retry.py`); the trainer sets the policy and
+        # defers errors while it collects a step, then clears what was recorded.
+        self.policy = FailurePolicy()
+        self.defer_errors = False
+        self.failures: list[str] = []  # retryable rewards out of retries
+        self.errors: list[Exception] = []  # any other reward error
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         """Run every reward's prompt check (ValueError naming the prompt and the fix)."""
@@ -146,7 +153,7 @@ class RewardSet:
                 f"got {num_images} images, {len(prompts)} prompts and {len(metadata)} metadata entries"
             )
         return {
-            name: _validated(name, reward(images, prompts, metadata), prompts)
+            name: score_reward(self, name, reward, images, prompts, metadata, _validated)
             for name, reward in self.rewards.items()
         }
 
@@ -282,7 +289,7 @@ def _build(name: str, options: dict[str, Any]) -> Reward:
     return build_reward(name, **options)
 
 
-def _validated(name: str, scores_n: Any, prompts: list[str]) -> torch.Tensor:
+def _validated(name: str, scores_n: Any, prompts: list[str], allow_nonfinite: bool = False) -> torch.Tensor:
     num_images = len(prompts)
     if not isinstance(scores_n, torch.Tensor):
         raise TypeError(f"reward {name!r} returned {type(scores_n).__name__}, expected a torch.Tensor")
@@ -293,10 +300,11 @@ def _validated(name: str, scores_n: Any, prompts: list[str]) -> torch.Tensor:
         )
     scores_n = scores_n.detach().to(device="cpu", dtype=torch.float32)
     bad = ~torch.isfinite(scores_n)
-    if bad.any():
+    if bad.any() and not allow_nonfinite:
         indices = bad.nonzero().flatten().tolist()
         raise ValueError(
             f"reward {name!r} returned non-finite scores at indices {indices} "
-            f"(prompts {[prompts[i] for i in indices[:3]]})"
+            f"(prompts {[prompts[i] for i in indices[:3]]}); fix the reward, or set "
+            "reward.on_nonfinite=drop to give those samples' groups zero advantage"
         )
     return scores_n

@@ -186,6 +186,8 @@ class Hpsv2Reward(Reward):
         batch_size: images per forward pass.
     """
 
+    retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
+
     def __init__(
         self,
         checkpoint: str | None = HPSV2_CHECKPOINT,

@@ -391,6 +391,8 @@ class ImageRewardScorer(Reward):
         batch_size: images per forward pass.
     """
 
+    retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
+
     def __init__(
         self,
         model: str = "THUDM/ImageReward",

@@ -45,6 +45,8 @@ class PickScoreReward(Reward):
         scale: positive divisor of the score (Flow-GRPO: 26).
     """
 
+    retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
+
     def __init__(
         self,
         model: str = PICKSCORE_MODEL,

@@ -28,6 +28,9 @@ class Reward(abc.ABC):
     """A batch reward. Subclasses set nothing by hand: `name` comes from `register_reward`."""
 
     name: str = "<unregistered>"
+    # True for scorers whose failures are transient (a server restarting, a CUDA error): they are retried
+    # with back-off (`reward.max_retries`, see `rewards/retry.py`). A failing pure function is a bug.
+    retryable: bool = False
 
     @abc.abstractmethod
     def __call__(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> torch.Tensor:

@@ -310,6 +310,8 @@ class RemoteReward(Reward):
         expected_reward: if set, the start-up health check fails unless the server hosts this reward name.
     """
 
+    retryable = True  # a server restarting mid-run: `reward.max_retries` retries the whole batch
+
     def __init__(
         self,
         url: str,

@@ -12,6 +12,7 @@ within a group differ only through the DiT's noise.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ from torch import nn
 from glm_training.algorithms.sde import SDEStep, cps_step, flow_sde_step, ode_step
 
 SDE_STEPS: dict[str, Callable[..., SDEStep]] = {"flow_sde": flow_sde_step, "cps": cps_step}
+
+
+def sde_step_fn(sde_type: str, cps_log_prob: str = "flow_grpo") -> Callable[..., SDEStep]:
+    """The step function of `sampling.sde_type`; CPS with its log-prob reduction (`sampling.cps_log_prob`)."""
+    if sde_type == "cps":
+        return functools.partial(cps_step, log_prob=cps_log_prob)
+    return SDE_STEPS[sde_type]
 
 
 def calculate_shift(image_seq_len: int, base_seq_len: int, base_shift: float, max_shift: float) -> float:
@@ -69,6 +77,49 @@ class GuidanceInputs:
         return GuidanceInputs(*(move(getattr(self, f)) for f in self.__dataclass_fields__))  # type: ignore[arg-type]
 
 
+def _left_pad(embeds: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, S, D] -> [B, length, D] with zeros on the left, as `GlmImagePipeline._get_glyph_embeds` pads."""
+    missing = length - embeds.shape[1]
+    if missing <= 0:
+        return embeds
+    return torch.cat([embeds.new_zeros(embeds.shape[0], missing, embeds.shape[2]), embeds], dim=1)
+
+
+def predict_velocity_batched_cfg(
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    t: torch.Tensor,
+    cond: GuidanceInputs,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """`predict_velocity` with the conditional and unconditional passes in one forward of 2B samples.
+
+    The two halves' glyph embeddings are left-padded with zeros to a common length. GLM-Image's DiT takes
+    no text mask, so the padding is attended to: the result differs slightly from two separate passes
+    (measured in docs/benchmarks.md), which is why this is an option (`sampling.batched_cfg`).
+    """
+    if not (guidance_scale > 1 and cond.negative_embeds is not None):
+        return predict_velocity(transformer, latents, t, cond, guidance_scale)
+    dtype = cond.prompt_embeds.dtype
+    batch = latents.shape[0]
+    length = max(cond.prompt_embeds.shape[1], cond.negative_embeds.shape[1])
+    drop = torch.zeros_like(cond.prior_token_ids, dtype=torch.bool)
+    both = transformer(
+        hidden_states=torch.cat([latents, latents]).to(dtype),
+        encoder_hidden_states=torch.cat(
+            [_left_pad(cond.prompt_embeds, length), _left_pad(cond.negative_embeds, length)]
+        ),
+        prior_token_id=torch.cat([cond.prior_token_ids, cond.prior_token_ids]),
+        prior_token_drop=torch.cat([drop, ~drop]),
+        timestep=t.to(latents.device).expand(2 * batch) - 1,
+        target_size=torch.cat([cond.target_size, cond.target_size]),
+        crop_coords=torch.cat([cond.crop_coords, cond.crop_coords]),
+        return_dict=False,
+    )[0].float()
+    velocity, uncond = both[:batch], both[batch:]
+    return uncond + guidance_scale * (velocity - uncond)
+
+
 def predict_velocity(
     transformer: nn.Module,
     latents: torch.Tensor,
@@ -110,6 +161,13 @@ def predict_velocity(
     return velocity
 
 
+# `sampling.batched_cfg` -> how the guided velocity is computed.
+VELOCITY_FNS: dict[bool, Callable[..., torch.Tensor]] = {
+    False: predict_velocity,
+    True: predict_velocity_batched_cfg,
+}
+
+
 @dataclass
 class DiTTrajectory:
     """One micro-batch of sampled trajectories. Everything on CPU except while in use.
@@ -119,6 +177,7 @@ class DiTTrajectory:
         latents_bsc: [B, K, C, h, w] latents *before* each of the K recorded SDE steps (float32).
         next_latents_bsc: [B, K, C, h, w] latents *after* each recorded step (the sample taken).
         log_probs_bs: [B, K] float32 log-probs of the steps taken (mean over latent elements).
+        means_bsc: [B, K, C, h, w] float32 transition means of the steps taken (GRPO-Guard's ratio).
         step_indices: the K schedule indices that were SDE steps.
         final_latents: [B, C, h, w] the fully denoised latents.
     """
@@ -127,6 +186,7 @@ class DiTTrajectory:
     latents_bsc: torch.Tensor
     next_latents_bsc: torch.Tensor
     log_probs_bs: torch.Tensor
+    means_bsc: torch.Tensor
     step_indices: list[int]
     final_latents: torch.Tensor
 
@@ -177,21 +237,25 @@ def sample_trajectory(
     sde_type: str,
     sde_window: tuple[int, int],
     generator: torch.Generator | None,
+    cps_log_prob: str = "flow_grpo",
+    batched_cfg: bool = False,
 ) -> DiTTrajectory:
     """Denoise `latents` [B, C, h, w] through the schedule, SDE inside `sde_window` and ODE elsewhere."""
-    step_fn = SDE_STEPS[sde_type]
+    step_fn = sde_step_fn(sde_type, cps_log_prob)
+    velocity_fn = VELOCITY_FNS[batched_cfg]
     device = latents.device
     latents = latents.float()
-    before, after, log_probs, indices = [], [], [], []
+    before, after, log_probs, means, indices = [], [], [], [], []
     for i, t in enumerate(timesteps):
         sigma, sigma_next = sigmas[i].to(device), sigmas[i + 1].to(device)
-        velocity = predict_velocity(transformer, latents, t, cond, guidance_scale)
+        velocity = velocity_fn(transformer, latents, t, cond, guidance_scale)
         if sde_window[0] <= i < sde_window[1]:
             step = step_fn(latents, velocity, sigma, sigma_next, noise_level, generator=generator)
             before.append(latents.cpu())
             latents = step.prev_sample.detach()
             after.append(latents.cpu())
             log_probs.append(step.log_prob.cpu())
+            means.append(step.mean.cpu())
             indices.append(i)
         else:
             latents = ode_step(latents, velocity, sigma, sigma_next)
@@ -200,6 +264,7 @@ def sample_trajectory(
         latents_bsc=torch.stack(before, dim=1),
         next_latents_bsc=torch.stack(after, dim=1),
         log_probs_bs=torch.stack(log_probs, dim=1),
+        means_bsc=torch.stack(means, dim=1),
         step_indices=indices,
         final_latents=latents.cpu(),
     )
@@ -217,10 +282,13 @@ def recompute_step(
     guidance_scale: float,
     noise_level: float,
     sde_type: str,
+    cps_log_prob: str = "flow_grpo",
+    batched_cfg: bool = False,
 ) -> SDEStep:
     """Log-prob (with gradients) of a recorded step `latents -> next_latents` under the current policy."""
-    velocity = predict_velocity(transformer, latents, t, cond, guidance_scale)
-    return SDE_STEPS[sde_type](latents, velocity, sigma, sigma_next, noise_level, prev_sample=next_latents)
+    velocity = VELOCITY_FNS[batched_cfg](transformer, latents, t, cond, guidance_scale)
+    step_fn = sde_step_fn(sde_type, cps_log_prob)
+    return step_fn(latents, velocity, sigma, sigma_next, noise_level, prev_sample=next_latents)
 
 
 @torch.no_grad()

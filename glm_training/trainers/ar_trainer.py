@@ -4,12 +4,15 @@ Rollout: `num_generations` samples of the image tokens per prompt (preview grid,
 the current policy; the frozen DiT renders each sample's large-grid tokens with a noise seed fixed per
 group, so reward differences inside a group come from the AR tokens alone.
 
-Update: token-level clipped objective with DAPO's clip-higher (`epsilon_low` / `epsilon_high`), the chosen
-loss aggregation, optional k3 KL to the reference. Old log-probs are teacher-forced under the weights that
-sampled, over the very micro-batches the update uses, so the first ratio is exactly 1; the log-probs
-recorded during sampling are kept as a check (`sampling_logp_max_diff`).
+Update: clipped objective with DAPO's clip-higher (`epsilon_low` / `epsilon_high`) on token-level ratios, or
+GSPO's sequence-level ratios (`algo.importance_sampling_level=sequence`, arXiv 2507.18071), the chosen loss
+aggregation, optional k3 KL to the reference. Old log-probs are teacher-forced under the weights that
+sampled, over the very micro-batches the update uses, and every policy pass (sampling, old log-probs,
+update, reference) runs under `policy_precision()`: so the first ratio is exactly 1, under bf16 too; the
+log-probs recorded during sampling are kept as a check (`sampling_logp_max_diff`).
 
-Dynamic sampling (DAPO): groups whose rewards are all equal carry no signal and are dropped; every rank
+Dynamic sampling (DAPO): groups whose rewards are all equal (or, with `algo.min_group_std`, whose reward std
+is below that threshold, for continuous rewards) carry no signal and are dropped; every rank
 keeps generating and scoring new batches *together* until the global pool holds `num_groups_per_step`
 valid groups or `max_resample_rounds` is used up. Each decision is taken from globally gathered data, so
 every rank makes the same number of `generate()` calls and collectives (no deadlock), and each rank then
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from glm_training import distributed as dist
-from glm_training.algorithms.advantages import zero_std_groups
+from glm_training.algorithms.advantages import flat_groups
+from glm_training.algorithms.gspo import gspo_policy_loss, sequence_ratio_stats
 from glm_training.algorithms.losses import (
     clipped_policy_loss,
     k3_kl,
@@ -39,8 +43,8 @@ from glm_training.errors import UserError
 from glm_training.rewards.combine import ScoringQueue
 from glm_training.rollout.ar import (
     ARSamples,
-    SamplingParams,
     collate_samples,
+    resolve_sampling_params,
     sample_image_tokens,
     split_samples,
     teacher_forced_log_probs,
@@ -49,6 +53,21 @@ from glm_training.rollout.dit import prompt_seed, render_with_pipeline, seeded_l
 from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
 
 logger = logging.getLogger("glm_training")
+
+
+def _token_level_loss(new_bt, old_bt, adv_b, mask_bt, clip_low: float, clip_high: float):
+    return clipped_policy_loss(new_bt, old_bt, adv_b[:, None], clip_low, clip_high)
+
+
+def _token_level_stats(new_bt, old_bt, mask_bt, clip_low: float, clip_high: float):
+    return ratio_stats(new_bt, old_bt, clip_low, clip_high, mask=mask_bt)
+
+
+# algo.importance_sampling_level -> (per-token loss [B, T], ratio diagnostics), same signatures.
+IMPORTANCE_SAMPLING = {
+    "token": (_token_level_loss, _token_level_stats),  # GRPO / DAPO
+    "sequence": (gspo_policy_loss, sequence_ratio_stats),  # GSPO, arXiv 2507.18071
+}
 
 AGGREGATIONS = {
     "token-mean": masked_token_mean,
@@ -74,13 +93,12 @@ class ARTrainer(RewardTrainer):
         s = cfg.sampling
         pipe = self.wrapper.pipeline
         pipe.set_progress_bar_config(disable=True)
-        self.sampling_params = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            codebook_size=SamplingParams.from_pipeline(pipe).codebook_size,
-        )
+        self.sampling_params, described = resolve_sampling_params(pipe, s.temperature, s.top_p, s.top_k)
+        logger.info(described)
         self.pad_token_id = pipe.processor.tokenizer.pad_token_id
+
+    def flat_groups(self, rewards_gk: torch.Tensor) -> torch.Tensor:
+        return flat_groups(rewards_gk, self.cfg.algo.min_group_std)
 
     def _trainable_submodules(self, module):
         # Text-to-image runs only the GLM decoder and its image-token head; the vision tower and the VQ
@@ -100,14 +118,17 @@ class ARTrainer(RewardTrainer):
     ) -> tuple[ARRollout, list]:
         s = self.cfg.sampling
         texts = [group_prompts[g].text for g in group_ids]
-        samples = sample_image_tokens(
-            self.wrapper.pipeline,
-            texts,
-            s.height,
-            s.width,
-            self.sampling_params,
-            seed=self.sample_seed(step, round_index),
-        )
+        with self.policy_precision():
+            samples = sample_image_tokens(
+                self.wrapper.pipeline,
+                texts,
+                s.height,
+                s.width,
+                self.sampling_params,
+                seed=self.sample_seed(step, round_index),
+                static_cache=s.static_cache,
+                compile=s.compile,
+            )
         seeds = self._noise_seeds(texts, group_ids, step, round_index)
         prompts = [group_prompts[g] for g in group_ids]
         images = self._render(samples.prior_token_ids, prompts, seeds, scoring)
@@ -179,7 +200,7 @@ class ARTrainer(RewardTrainer):
                 preview = (images, [group_prompts[g].text for g in group_ids], mine)
             groups = [everyone[g * k : (g + 1) * k] for g in range(len(everyone) // k)]
             rewards_gk = totals.view(-1, k)
-            flat = zero_std_groups(rewards_gk)
+            flat = self.flat_groups(rewards_gk)
             pool += [grp for grp, is_flat in zip(groups, flat.tolist()) if not is_flat]
             self.last_sampling_decisions += [
                 {
@@ -232,13 +253,15 @@ class ARTrainer(RewardTrainer):
         )
 
     def _budget_exhausted(self, pool: list, num_valid: int, target: int, rounds: int) -> list:
+        min_std = self.cfg.algo.min_group_std
+        spread = f"reward std >= algo.min_group_std={min_std}" if min_std > 0 else "non-zero reward spread"
         message = (
-            f"dynamic sampling found {num_valid} of {target} groups with non-zero reward spread "
-            f"after {rounds} round(s)"
+            f"dynamic sampling found {num_valid} of {target} groups with {spread} after {rounds} round(s)"
         )
         if self.cfg.algo.on_budget_exhausted == "error":
             raise DynamicSamplingExhausted(
-                f"{message}. Raise algo.max_resample_rounds, use a reward with more spread, or set "
+                f"{message}. Raise algo.max_resample_rounds, use a reward with more spread (or a lower "
+                "algo.min_group_std), or set "
                 "algo.on_budget_exhausted=warn to train on what was found."
             )
         # Train on what was found, in a size every rank can share equally.
@@ -269,8 +292,9 @@ class ARTrainer(RewardTrainer):
         for mb in micro:
             offsets.append(offsets[-1] + mb.input_ids.shape[0])
         params = self.sampling_params
-        with torch.no_grad():
-            # Same weights, same micro-batches as the first inner step below: its ratio is exactly 1.
+        with torch.no_grad(), self.policy_precision():
+            # Same weights, same micro-batches, same precision as the first inner step below: its ratio is
+            # exactly 1 (and with full fine-tuning the frozen reference's KL is exactly 0).
             old = [teacher_forced_log_probs(self.model, mb, params) for mb in micro]
             ref = None
             if a.beta > 0:
@@ -281,6 +305,7 @@ class ARTrainer(RewardTrainer):
             for o, mb in zip(old, micro)
         )
         aggregate = AGGREGATIONS[a.loss_aggregation]
+        policy_loss_fn, ratio_stats_fn = IMPORTANCE_SAMPLING[a.importance_sampling_level]
         stats, grad_norms = StatMeans(), []
         for _ in range(a.num_inner_epochs):
             for mini in split_mini_batches(len(micro), a.num_mini_batches):
@@ -294,16 +319,14 @@ class ARTrainer(RewardTrainer):
                         if pos < len(mini) - 1
                         else contextlib.nullcontext()
                     )
-                    with sync, self.accelerator.autocast():
+                    with sync, self.policy_precision():
                         new = teacher_forced_log_probs(self.model, mb, params)
-                        per_token = clipped_policy_loss(
-                            new, old[m], adv[:, None], a.epsilon_low, a.epsilon_high
-                        )
+                        per_token = policy_loss_fn(new, old[m], adv, mask, a.epsilon_low, a.epsilon_high)
                         policy_loss = aggregate(per_token, mask)
                         kl = aggregate(k3_kl(new, ref[m]), mask) if ref is not None else torch.zeros(())
                         loss = policy_loss + a.beta * kl
                         self.accelerator.backward(loss * weights[pos])
-                    diag = ratio_stats(new.detach(), old[m], a.epsilon_low, a.epsilon_high, mask=mask)
+                    diag = ratio_stats_fn(new.detach(), old[m], mask, a.epsilon_low, a.epsilon_high)
                     stats.add({"loss": loss, "policy_loss": policy_loss, "kl": kl, **diag})
                 grad_norms.append(self.optimizer_step())
         out = stats.means()

@@ -1,12 +1,15 @@
 """`DiTTrainer`: Flow-GRPO (arXiv 2505.05470) on the GLM-Image diffusion decoder.
 
 Rollout: the frozen AR model writes each prompt's prior tokens once (shared by its group), then the DiT
-samples `num_generations` images per prompt with an SDE, recording every SDE step's latents and log-prob.
-Update: for the first `timestep_fraction` of the SDE steps, the log-prob of the recorded step is recomputed
-under the current policy (same guidance, same micro-batches as the rollout, so the first ratio is exactly
-1), and the clipped objective plus `beta` times the KL to the reference is accumulated over steps and
-micro-batches before each optimizer step.
+samples `num_generations` images per prompt with an SDE inside this step's window (fixed, or drawn per
+rollout as in Flow-GRPO-Fast / MixGRPO), ODE elsewhere, recording every SDE step's latents, mean and log-prob.
+Update: for the SDE steps that train (Flow-GRPO's `timestep_fraction` rule), the log-prob of the recorded
+step is recomputed under the current policy (same guidance, same micro-batches as the rollout, so the first
+ratio is exactly 1), and the clipped objective plus `beta` times the KL to the reference is accumulated over
+steps and micro-batches; `num_mini_batches` optimizer steps per rollout (Flow-GRPO: 2), the later ones
+off-policy. Samples with zero advantage leave the loss (`drop_zero_advantage`).
 
+The math is chosen by name in `algorithms/flow_grpo.py` (`KL_FNS`, `LOG_RATIOS`) and `rollout/dit.py`.
 Log-probs are means over latent elements (Flow-GRPO's reduction), which is why `algo.clip_range` is ~1e-4.
 """
 
@@ -14,13 +17,24 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from glm_training import distributed as dist
-from glm_training.algorithms.losses import clipped_policy_loss, gaussian_mean_kl, ratio_stats
+from glm_training.algorithms.advantages import zero_std_groups
+from glm_training.algorithms.flow_grpo import (
+    KL_FNS,
+    LOG_RATIOS,
+    nonzero_advantage_mask,
+    num_train_steps,
+    progressive_window_start,
+    random_window_start,
+)
+from glm_training.algorithms.losses import clipped_policy_loss, ratio_stats
 from glm_training.data import Prompt
 from glm_training.models.placement import parse_dtype
+from glm_training.priors import open_for_dit_run
 from glm_training.rewards.combine import ScoringQueue
 from glm_training.rollout.dit import (
     DiTTrajectory,
@@ -33,16 +47,38 @@ from glm_training.rollout.dit import (
 )
 from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
 
+# `sampling.sde_window_schedule` -> the window start of a step, from (sampling config, seed, step, lo, hi).
+WINDOW_STARTS = {
+    "random": lambda s, seed, step, lo, hi: random_window_start(seed, step, s.sde_window_size, lo, hi),
+    "progressive": lambda s, seed, step, lo, hi: progressive_window_start(
+        step, s.sde_window_size, lo, hi, s.sde_window_stride, s.sde_window_every
+    ),
+}
+
 
 @dataclass
 class DiTRollout:
-    trajectories: list[DiTTrajectory]  # one per micro-batch, in sample order
+    trajectories: list[DiTTrajectory]  # one per micro-batch, in sample order (NFT: `NFTSamples`)
     timesteps: torch.Tensor  # [T]
     sigmas: torch.Tensor  # [T + 1]
+    sde_window: tuple[int, int] = (0, 0)  # the schedule steps [start, end) that sampled with noise
 
 
 class DiTTrainer(RewardTrainer):
     component = "dit"
+
+    def _build_model(self):
+        # data.prior_cache is checked (resolution, AR fingerprint, prompts, sha256s) before the DiT loads.
+        self.prior_cache = open_for_dit_run(self.cfg, self.prompts, self.eval_prompts)
+        return super()._build_model()
+
+    def _components_not_loaded(self) -> tuple[tuple[str, ...], str]:
+        if self.prior_cache is None:
+            return (), ""
+        return ("vision_language_encoder",), f"prior tokens from data.prior_cache={self.cfg.data.prior_cache}"
+
+    def _eval_prior_tokens(self):
+        return None if self.prior_cache is None else self.prior_cache.eval_tokens
 
     def _rollout(
         self, group_prompts: list[Prompt], group_ids: list[int], step: int, scoring: ScoringQueue
@@ -53,6 +89,7 @@ class DiTTrainer(RewardTrainer):
         sample_prompts = [group_prompts[g] for g in group_ids]
         prior = self._shared_prior_tokens(group_prompts, step)[torch.tensor(group_ids)]
         timesteps, sigmas = glm_image_schedule(pipe, s.num_steps, s.height, s.width)
+        window = self.sde_window(step)
         generator = torch.Generator(self.device).manual_seed(seed)
         dtype = parse_dtype(self.cfg.model.dtype)
         latent_shape = (
@@ -74,32 +111,76 @@ class DiTTrainer(RewardTrainer):
                 dtype,
             )
             latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=self.device)
-            with self.accelerator.autocast():
-                trajectories.append(
-                    sample_trajectory(
-                        self.trainable,
-                        latents.to(dtype),
-                        cond,
-                        timesteps,
-                        sigmas,
-                        guidance_scale=s.guidance_scale,
-                        noise_level=s.noise_level,
-                        sde_type=s.sde_type,
-                        sde_window=(s.sde_window_start, s.window_end()),
-                        generator=generator,
-                    )
+            with self.policy_precision():
+                kept, final_latents = self.sample_chunk(
+                    latents.to(dtype), cond, timesteps, sigmas, window, generator
                 )
-            chunk_images = decode_latents(pipe, trajectories[-1].final_latents)
+            trajectories.append(kept)
+            chunk_images = decode_latents(pipe, final_latents)
             self.submit_chunk(scoring, chunk_images, chunk)
             images += chunk_images
-        return DiTRollout(trajectories, timesteps, sigmas), images
+        return DiTRollout(trajectories, timesteps, sigmas, window), images
+
+    def sample_chunk(self, latents, cond, timesteps, sigmas, window, generator) -> tuple[Any, torch.Tensor]:
+        """Sample one micro-batch from its initial latents [B, C, h, w].
+
+        Returns (what `_update` keeps of it, the final latents [B, C, h, w] to decode). Flow-GRPO keeps the
+        trajectory of the SDE window; `NFTTrainer` samples with its old model's ODE, keeps the final latents.
+        """
+        s = self.cfg.sampling
+        trajectory = sample_trajectory(
+            self.trainable,
+            latents,
+            cond,
+            timesteps,
+            sigmas,
+            guidance_scale=s.guidance_scale,
+            noise_level=s.noise_level,
+            sde_type=s.sde_type,
+            sde_window=window,
+            generator=generator,
+            cps_log_prob=s.cps_log_prob,
+            batched_cfg=s.batched_cfg,
+        )
+        return trajectory, trajectory.final_latents
+
+    def sde_window(self, step: int) -> tuple[int, int]:
+        """The schedule steps [start, end) that sample with noise at `step`.
+
+        A function of (config, seed, step) only, so identical on every rank and after a resume.
+        """
+        s = self.cfg.sampling
+        if not s.sde_window_size:
+            return s.sde_window_start, s.window_end()
+        lo, hi = s.window_range()
+        start = WINDOW_STARTS[s.sde_window_schedule](s, self.cfg.trainer.seed, step, lo, hi)
+        return start, start + s.sde_window_size
+
+    def global_advantages(
+        self, all_rewards: torch.Tensor, all_parts: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The shared advantages, with flat groups at exactly 0 and the fraction of zero advantages logged.
+
+        A group whose rewards are all equal has advantage 0 by definition; the rounding of its mean must not
+        turn that into noise that `drop_zero_advantage` would keep.
+        """
+        advantages, stats = super().global_advantages(all_rewards, all_parts)
+        flat_n = zero_std_groups(all_rewards.view(-1, self.cfg.data.num_generations)).repeat_interleave(
+            self.cfg.data.num_generations
+        )
+        advantages = torch.where(flat_n, torch.zeros_like(advantages), advantages)
+        stats["frac_zero_advantage"] = 1.0 - nonzero_advantage_mask(advantages).float().mean().item()
+        return advantages, stats
 
     def _shared_prior_tokens(self, group_prompts: list[Prompt], step: int) -> torch.Tensor:
         """[num_groups, L] prior tokens, one AR sample per group, identical on every rank.
 
         A group may straddle ranks, and all its members must decode the same prior tokens; so each group is
-        generated by one owner rank (round-robin) and the tokens are shared with every rank.
+        generated by one owner rank (round-robin) and the tokens are shared with every rank. With
+        `data.prior_cache` every rank reads the same cached rows instead (`PriorCache.step_tokens`).
         """
+        if self.prior_cache is not None:
+            return self.prior_cache.step_tokens([p.text for p in group_prompts], self.cfg.trainer.seed, step)
         s = self.cfg.sampling
         owned = list(range(self.rank, len(group_prompts), self.world_size))
         tokens = {}
@@ -130,55 +211,85 @@ class DiTTrainer(RewardTrainer):
             guidance_scale=s.guidance_scale,
             noise_level=s.noise_level,
             sde_type=s.sde_type,
+            cps_log_prob=s.cps_log_prob,
+            batched_cfg=s.batched_cfg,
         )
 
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
         a = self.cfg.algo
         rollout: DiTRollout = batch.rollout
         num_sde = len(rollout.trajectories[0].step_indices)
-        train_steps = list(range(max(1, int(num_sde * a.timestep_fraction))))
+        train_steps = list(range(num_train_steps(num_sde, self.cfg.sampling.num_steps, a.timestep_fraction)))
         sizes = [t.latents_bsc.shape[0] for t in rollout.trajectories]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        keep_n = self._trained_samples(batch.advantages)
         stats, grad_norms = StatMeans(), []
+        # Per optimizer step (mini-batch) statistics: the first is on-policy, the later ones are not.
+        self.mini_batch_stats: list[dict[str, float]] = []
         for _ in range(a.num_inner_epochs):
             for mini in split_mini_batches(len(sizes), a.num_mini_batches):
-                num_samples = sum(sizes[m] for m in mini)
+                # Normalised by the samples that train (Flow-GRPO averages over the samples it kept).
+                num_kept = sum(int(keep_n[offsets[m] : offsets[m] + sizes[m]].sum()) for m in mini)
+                mini_stats = StatMeans()
                 for pos, m in enumerate(mini):
                     traj = rollout.trajectories[m]
                     adv = batch.advantages[offsets[m] : offsets[m] + sizes[m]].to(self.device)
+                    keep = keep_n[offsets[m] : offsets[m] + sizes[m]].to(self.device)
                     for j in train_steps:
                         last = pos == len(mini) - 1 and j == train_steps[-1]
                         sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
                         with sync:
-                            stats.add(
-                                self._loss_and_backward(traj, j, rollout, adv, num_samples, len(train_steps))
+                            values = self._loss_and_backward(
+                                traj, j, rollout, adv, keep, max(num_kept, 1), len(train_steps)
                             )
+                        stats.add(values)
+                        mini_stats.add(values)
                 grad_norms.append(self.optimizer_step())
+                self.mini_batch_stats.append(mini_stats.means())
         out = stats.means()
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["num_optimizer_steps"] = float(len(grad_norms))
+        out["num_train_steps"] = float(len(train_steps))
+        out["sde_window_start"] = float(rollout.sde_window[0])
         return self.mean_over_ranks(out)
 
-    def _loss_and_backward(self, traj, j, rollout, adv, num_samples: int, num_steps: int) -> dict[str, float]:
+    def _trained_samples(self, advantages: torch.Tensor) -> torch.Tensor:
+        """[N] bool: the samples whose loss counts (all, or those with a non-zero advantage)."""
+        if self.cfg.algo.drop_zero_advantage:
+            return nonzero_advantage_mask(advantages)
+        return torch.ones_like(advantages, dtype=torch.bool)
+
+    def _loss_and_backward(
+        self, traj, j, rollout, adv, keep, num_samples: int, num_steps: int
+    ) -> dict[str, float]:
+        """Loss of recorded step `j` of one micro-batch; backward of its share of the mini-batch's mean.
+
+        `keep` [B] marks the samples that count; `num_samples` is how many count in the whole mini-batch.
+        """
         a = self.cfg.algo
         old_log_prob = traj.log_probs_bs[:, j].to(self.device)
-        with self.accelerator.autocast():
+        with self.policy_precision():
             new = self.policy_step(traj, j, rollout)
-            policy_loss = clipped_policy_loss(
-                new.log_prob, old_log_prob, adv, a.clip_range, a.clip_range
-            ).mean()
-            kl = torch.zeros((), device=self.device)
+            log_ratio = LOG_RATIOS[a.ratio_norm](
+                new.log_prob, old_log_prob, new.mean, traj.means_bsc[:, j].to(self.device), new.std
+            )
+            zeros = torch.zeros_like(log_ratio)
+            policy_b = clipped_policy_loss(log_ratio, zeros, adv, a.clip_range, a.clip_range)
+            kl_b = torch.zeros_like(policy_b)
             if a.beta > 0:
                 with torch.no_grad(), self.reference_model() as reference:
                     ref = self.policy_step(traj, j, rollout, module=reference)
-                kl = gaussian_mean_kl(new.mean, ref.mean, new.std).mean()
-            loss = policy_loss + a.beta * kl
-        # Weighted by the micro-batch's share of the mini-batch: an exact mean over samples x steps.
-        self.accelerator.backward(loss * (adv.shape[0] / num_samples) / num_steps)
-        diag = ratio_stats(new.log_prob.detach(), old_log_prob, a.clip_range, a.clip_range)
+                kl_b = KL_FNS[a.kl_type](new, ref)
+            loss_b = policy_b + a.beta * kl_b
+        weight_b = keep.float()
+        # Each kept sample weighs 1 / (kept samples in the mini-batch x trained steps): an exact mean.
+        self.accelerator.backward((loss_b * weight_b).sum() / num_samples / num_steps)
+        num_kept = weight_b.sum().clamp(min=1.0)
+        diag = ratio_stats(log_ratio.detach(), zeros, a.clip_range, a.clip_range, mask=keep)
         return {
-            "loss": loss.item(),
-            "policy_loss": policy_loss.item(),
-            "kl": kl.item(),
+            "loss": ((loss_b.detach() * weight_b).sum() / num_kept).item(),
+            "policy_loss": ((policy_b.detach() * weight_b).sum() / num_kept).item(),
+            "kl": ((kl_b.detach() * weight_b).sum() / num_kept).item(),
             "clip_frac": diag["clip_frac"].item(),
             "approx_kl": diag["approx_kl"].item(),
             "ratio_mean": diag["ratio_mean"].item(),

@@ -34,13 +34,14 @@ from glm_training.algorithms.advantages import (
     zero_std_groups,
 )
 from glm_training.checkpoint import (
+    CheckpointError,
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
     resolve_resume,
     save_checkpoint,
 )
-from glm_training.config import config_to_yaml
+from glm_training.config import ConfigError, config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
 from glm_training.evaluate import (
     eval_sampling,
@@ -50,9 +51,11 @@ from glm_training.evaluate import (
     load_eval_prompts,
     write_evaluation,
 )
+from glm_training.guards import SkipCounter, nonfinite_groups
 from glm_training.image_grid import caption
 from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
+from glm_training.models.frozen_weights import apply_weights_source, frozen_weight_sources
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
     GLMImageWrapper,
@@ -62,8 +65,10 @@ from glm_training.models.wrapper import (
     resolve_model_path,
 )
 from glm_training.plan import log_memory_plan
+from glm_training.preemption import StopSignals
 from glm_training.rewards import RewardSet
 from glm_training.rewards.combine import RewardFuncs, ScoringQueue, rewards_from_python
+from glm_training.rewards.retry import FailurePolicy, RewardFailed
 from glm_training.tracking import build_tracker
 
 logger = logging.getLogger("glm_training")
@@ -148,7 +153,9 @@ class RewardTrainer:
         self.accelerator = dist.make_accelerator(
             mixed_precision=cfg.trainer.mixed_precision,
             strategy=cfg.trainer.strategy,
-            timeout_s=cfg.trainer.dist_timeout_s,
+            # Loading (rank 0 may download while the others wait) has its own bound; `train()` then
+            # tightens every collective to trainer.dist_timeout_s.
+            timeout_s=max(cfg.trainer.dist_timeout_s, cfg.model.stage_timeout_s),
             seed_everything=cfg.trainer.seed,
         )
         self.rank = self.accelerator.process_index
@@ -188,32 +195,110 @@ class RewardTrainer:
     # The loop
 
     def train(self) -> Path:
+        """Run steps `start_step .. num_steps`; stop early, with a checkpoint, on SIGTERM / SIGUSR1.
+
+        Once per step every rank reaches two agreement points (one all-reduce each): after the rollout,
+        whether any rank's reward failed (skip the update, or stop; `reward.on_failure`), and after the
+        update, whether any rank was asked to stop. A collective that fails because another rank died or
+        stalled is re-raised as `distributed.CollectiveFailure`, naming this rank, the step and the phase.
+        """
         cfg = self.cfg.trainer
+        r = self.cfg.reward
+        self.rewards.policy = FailurePolicy(r.max_retries, r.retry_backoff_s, r.on_failure, r.on_nonfinite)
+        dist.set_collective_timeout(cfg.dist_timeout_s)
+        signals = StopSignals()
+        signals.install()
+        skips = SkipCounter(cfg.max_consecutive_skips)
         bar = self._progress_bar()
         failed = True
         try:
             if self.start_step == 0:
+                dist.set_phase("evaluation", 0)
                 self.tracker.log_scalars(0, self._maybe_evaluate(0))  # the base model's numbers
             for step in range(self.start_step, cfg.num_steps):
-                start = time.perf_counter()
-                batch = self._collect(step)
-                update_stats = self._update(batch, step)
-                record = {"step": step + 1, **batch.stats, **update_stats}
-                record["lr"] = self.lr_scheduler.get_last_lr()[0]
-                record["step_time_s"] = time.perf_counter() - start
-                record.update(self._maybe_evaluate(step + 1))
-                self.metrics.write(record)
-                self._log(bar, record, batch)
-                if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.num_steps:
-                    self._save(step + 1)
+                if self._train_step(step, bar, skips, signals):
+                    break
             failed = False
+        except Exception as err:
+            if not dist.is_collective_failure(err):
+                raise
+            message = dist.describe_failure(err, cfg.dist_timeout_s)
+            logger.error(message)
+            raise dist.CollectiveFailure(message) from err
         finally:
+            signals.restore()
             if bar is not None:
                 bar.close()
             self.tracker.close(failed=failed)
             self.rewards.close()
+        dist.set_phase("shutdown")
         dist.barrier()
         return self.output_dir
+
+    def _train_step(self, step: int, bar, skips: SkipCounter, signals: StopSignals) -> bool:
+        """One step: collect, update (unless a reward failed), log, checkpoint. True = stop here."""
+        cfg = self.cfg.trainer
+        start = time.perf_counter()
+        self.rewards.failures.clear()
+        self.rewards.errors.clear()
+        # A reward's error is held (NaN scores) until every rank has collected: then all act on it together.
+        self.rewards.defer_errors = True
+        dist.set_phase("rollout", step + 1)
+        try:
+            batch = self._collect(step)
+        finally:
+            self.rewards.defer_errors = False
+        dist.set_phase("reward gather", step + 1)
+        seen = torch.tensor([float(bool(self.rewards.failures)), float(bool(self.rewards.errors))])
+        reward_failed, reward_error = (bool(x) for x in dist.all_reduce(seen, op="max"))
+        if reward_error:
+            if self.rewards.errors:
+                raise self.rewards.errors[0]
+            raise RewardFailed(
+                f"step {step + 1}: a reward failed on another rank (its log says how); stopping"
+            )
+        if reward_failed and self.cfg.reward.on_failure == "error":
+            raise RewardFailed(self._failure_message(step))
+        self.num_skipped_nonfinite = 0
+        dist.set_phase("update", step + 1)
+        if reward_failed:
+            logger.warning("%s; no update (reward.on_failure=skip)", self._failure_message(step))
+            update_stats: dict[str, float] = {}
+        else:
+            update_stats = self._update(batch, step)
+        nonfinite = self.num_skipped_nonfinite > 0 or not math.isfinite(update_stats.get("loss", 0.0))
+        skips.record(reward_failed or nonfinite, "reward failure" if reward_failed else "non-finite loss")
+        record = {"step": step + 1, **batch.stats, **update_stats}
+        record["skipped_nonfinite"] = self.num_skipped_nonfinite
+        record["skipped_reward_failure"] = int(reward_failed)
+        record["lr"] = self.lr_scheduler.get_last_lr()[0]
+        record["step_time_s"] = time.perf_counter() - start
+        dist.set_phase("evaluation", step + 1)
+        record.update(self._maybe_evaluate(step + 1))
+        self.metrics.write(record)
+        self._log(bar, record, batch)
+        skips.check(step + 1)
+        dist.set_phase("checkpoint", step + 1)
+        stop = signals.agreed()  # every rank, every step: all stop at the same step
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.num_steps or stop:
+            if skips.in_a_row:
+                # Weights are unchanged by skipped steps, but the newest checkpoint must predate the streak.
+                logger.warning(
+                    "step %d: no checkpoint during %d skipped step(s) in a row", step + 1, skips.in_a_row
+                )
+            else:
+                self._save(step + 1)
+        if stop:
+            logger.warning(
+                "stopped at step %d on a stop signal (%s); continue with trainer.resume=latest",
+                step + 1,
+                "received here" if signals.requested else "received by another rank",
+            )
+        return stop
+
+    def _failure_message(self, step: int) -> str:
+        here = "; ".join(self.rewards.failures) or "a reward failed on another rank"
+        return f"step {step + 1}: {here}"
 
     def _collect(self, step: int) -> Batch:
         """Rollout, rewards and advantages for this rank's samples of `step`."""
@@ -222,6 +307,7 @@ class RewardTrainer:
         scoring = self.rewards.queue(overlap=self.cfg.reward.overlap)
         rollout, images = self._rollout(group_prompts, group_ids, step, scoring)
         parts = scoring.result()
+        dist.set_phase("reward gather")
         rewards, advantages, stats = self._advantages(parts)
         preview = (images, [p.text for p in sample_prompts], rewards.tolist())
         return Batch(sample_prompts, images, rewards, parts, advantages, rollout, stats, preview)
@@ -284,18 +370,47 @@ class RewardTrainer:
         """[G * K] total rewards of every rank, group-major -> ([G * K] advantages, reward statistics)."""
         rewards_gk = all_rewards.view(-1, self.cfg.data.num_generations)
         adv_fn = ADVANTAGE_FNS[self.cfg.algo.scale_rewards]
-        advantages = clip_advantages(adv_fn(rewards_gk), self.cfg.algo.adv_clip_max).reshape(-1)
+        # Groups with a NaN/inf reward (reward.on_nonfinite=drop, or a failed reward) get zero advantage and
+        # stay out of every statistic, so nothing non-finite reaches the loss.
+        bad_g = nonfinite_groups(rewards_gk)
+        good_gk = rewards_gk[~bad_g]
+        advantages_gk = torch.zeros_like(rewards_gk)
+        if len(good_gk):
+            advantages_gk[~bad_g] = clip_advantages(adv_fn(good_gk), self.cfg.algo.adv_clip_max)
+        advantages = advantages_gk.reshape(-1)
+        good = good_gk.reshape(-1)
         stats = {
-            "reward_mean": all_rewards.mean().item(),
-            "reward_std": all_rewards.std(unbiased=False).item(),
-            "frac_zero_std_groups": zero_std_groups(rewards_gk).float().mean().item(),
+            "reward_mean": good.mean().item() if len(good) else math.nan,
+            "reward_std": good.std(unbiased=False).item() if len(good) else math.nan,
+            "frac_zero_std_groups": self.flat_groups(good_gk).float().mean().item() if len(good) else 1.0,
         }
-        stats.update({f"reward/{name}": values.mean().item() for name, values in all_parts.items()})
+        if bad_g.any():
+            stats["dropped_nonfinite_groups"] = int(bad_g.sum())
+            logger.warning("%d group(s) with non-finite rewards get zero advantage", int(bad_g.sum()))
+        keep = (~bad_g).repeat_interleave(self.cfg.data.num_generations)
+        stats.update({f"reward/{name}": values[keep].mean().item() for name, values in all_parts.items()})
         return advantages, stats
+
+    def flat_groups(self, rewards_gk: torch.Tensor) -> torch.Tensor:
+        """[G] bool: groups without reward spread (counted in `frac_zero_std_groups`); default: exact ties."""
+        return zero_std_groups(rewards_gk)
+
+    def policy_precision(self):
+        """The numeric precision of every pass of the policy: sampling, old log-probs, update, reference.
+
+        All of them run inside this one context (accelerate's autocast for `trainer.mixed_precision`), so
+        they compute in the same precision by construction: an unprepared module (the frozen reference copy
+        of full fine-tuning, the policy called outside `self.model`) would otherwise run in its parameters'
+        dtype while the prepared policy runs under autocast, and the first ratio / KL would not be exact.
+        """
+        return self.accelerator.autocast()
 
     def _build_model(self) -> GLMImageWrapper:
         """Load GLM-Image and place it on this process's device(s), following the plan (never by luck)."""
         m = self.cfg.model
+        skip, skip_reason = self._components_not_loaded()
+        # model.ar_weights / model.dit_weights (chaining the stages) are checked before anything loads.
+        sources = frozen_weight_sources(m, self.component, skip)
         # Rank 0 first: it builds the tiny model (transformers writes weights only on rank 0) or fetches
         # the checkpoint; the other ranks then find it complete. Bounded by the stage timeout.
         with self.accelerator.main_process_first():
@@ -311,9 +426,26 @@ class RewardTrainer:
             reason=self.distributed_reason,
             device=dist.choose_device(self.accelerator.local_process_index),
             model_path=path,
+            skip_components=skip,
+            skip_reason=skip_reason,
         )
+        for source in sources:
+            apply_weights_source(wrapper.pipeline, source)
         self.device = next(wrapper.trainable.parameters()).device
         return wrapper
+
+    def _components_not_loaded(self) -> tuple[tuple[str, ...], str]:
+        """Frozen pipeline components this run never uses, so never loads, and why (for the load log)."""
+        if self.cfg.data.prior_cache:
+            raise ConfigError(
+                "data.prior_cache",
+                f"is for train_dit.py; the {self.component} trainer samples its own tokens.",
+            )
+        return (), ""
+
+    def _eval_prior_tokens(self):
+        """None (the AR model samples the held-out prompts' tokens), or a function texts -> [B, L] tokens."""
+        return None
 
     def _setup_trainable(self, module: nn.Module) -> nn.Module:
         """LoRA adapters (peft, injected in place so the pipeline keeps its classes) or full fine-tuning."""
@@ -382,16 +514,29 @@ class RewardTrainer:
         )
         return optimizer, scheduler
 
+    num_skipped_nonfinite = 0  # optimizer steps skipped in the current training step
+
     def optimizer_step(self) -> float:
-        """Clip, step, schedule, zero; returns the pre-clip gradient norm."""
+        """Clip, step, schedule, zero; returns the pre-clip gradient norm.
+
+        A non-finite norm (a NaN/inf loss or an overflow) makes no update: no optimizer, LR schedule or EMA
+        step (see `guards.py`). Under DDP the norm comes from all-reduced gradients: every rank agrees.
+        """
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = self.accelerator.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+        grad_norm = float(self.accelerator.clip_grad_norm_(params, self.cfg.optim.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self.num_skipped_nonfinite += 1
+            if self.accelerator.scaler is not None:
+                self.optimizer.step()  # fp16: the grad scaler skips the update itself and lowers its scale
+            self.optimizer.zero_grad(set_to_none=True)
+            logger.warning("gradient norm is %s: optimizer step skipped (no update)", grad_norm)
+            return grad_norm
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.step([p for p in self.trainable.parameters() if p.requires_grad])
-        return float(grad_norm)
+        return grad_norm
 
     def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         if not values:
@@ -433,16 +578,32 @@ class RewardTrainer:
             rank=self.rank,
             is_main=self.is_main,
             barrier=dist.barrier,
+            extra_files=self.checkpoint_extras(),
         )
         if self.is_main:
             prune_checkpoints(self.output_dir, self.cfg.trainer.keep_last)
         dist.barrier()
 
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """A subclass's own state for bit-exact resume: {file name in the checkpoint: object to save}."""
+        return {}
+
     def _maybe_resume(self) -> int:
         resume = self.cfg.trainer.resume
         if not resume:
             return 0
-        path = resolve_resume(resume, self.output_dir)
+        # Rank 0 checks the hashes (every file read once, not once per rank) and tells the others which
+        # checkpoint to load, or the error, so that no rank waits in a collective for one that failed.
+        choice: tuple[str, str] = ("", "")
+        if self.is_main:
+            try:
+                choice = (str(resolve_resume(resume, self.output_dir)), "")
+            except CheckpointError as err:
+                choice = ("", str(err))
+        path_str, error = dist.broadcast_object(choice)
+        if error:
+            raise CheckpointError(error)
+        path = Path(path_str)
         step, ema_state = load_checkpoint(
             path,
             module=self.trainable,
@@ -513,6 +674,7 @@ class RewardTrainer:
                 rank=self.rank,
                 world_size=self.world_size,
                 num_grid_images=self.cfg.eval.num_grid_images,
+                prior_tokens=self._eval_prior_tokens(),
             )
         scalars = eval_scalars(result)
         if self.is_main:

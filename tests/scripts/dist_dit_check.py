@@ -29,6 +29,12 @@ def main() -> None:
     _, group_ids = trainer._step_samples(0)
     stats = trainer._update(batch, 0)
     checksum = sum(float(p.detach().double().sum()) for p in params)
+    # The SDE window each rank sampled with at steps 0..2 (a second and third real rollout and update).
+    windows = [list(batch.rollout.sde_window)]
+    for step in (1, 2):
+        later = trainer._collect(step)
+        trainer._update(later, step)
+        windows.append(list(later.rollout.sde_window))
     report = {
         "rank": rank,
         "world_size": trainer.world_size,
@@ -42,6 +48,7 @@ def main() -> None:
         "advantages": batch.advantages.tolist(),
         "prior_tokens": prior.tolist(),
         "approx_kl": stats["approx_kl"],
+        "sde_windows": windows,
         "checksum_after_step": checksum,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -1,0 +1,216 @@
+"""`NFTTrainer`: DiffusionNFT (arXiv 2509.16117) on the GLM-Image diffusion decoder.
+
+Follows NVlabs' reference (`scripts/train_nft_sd3.py`) step for step:
+- Rollout: the *old* model samples with the pipeline's ODE (`rollout/nft.py`); only the final latents and the
+  conditioning are kept. Prior tokens, rewards and advantages are `DiTTrainer`'s (shared, not copied).
+- Update: each sample is noised again at `int(num_steps * timestep_fraction)` distinct times of the sampling
+  schedule (drawn per sample, fresh noise each), the current and old velocities are predicted without CFG,
+  and the implicit positive/negative policy loss (`algorithms/nft.py`) is averaged over samples and times;
+  `num_mini_batches` optimizer steps per rollout. Noise and times come from a generator seeded by
+  (seed, step, rank), so a resumed run draws the same ones.
+- After the update the old model moves towards the policy: `old <- d old + (1 - d) policy`, d from the
+  reference's `decay_type` schedule of the optimizer-step count.
+
+The old model: with LoRA a second copy of the adapter weights, swapped into the module for its forward
+passes (the reference keeps a second peft adapter; this costs no extra base weights); with full fine-tuning
+a frozen copy of the module. It is saved in every checkpoint (`nft_old_policy.pt`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from glm_training.algorithms.nft import (
+    ema_update_,
+    nft_loss,
+    noised_latents,
+    old_model_decay,
+    optimality_probability,
+    train_time_indices,
+    velocity_kl,
+)
+from glm_training.checkpoint import CheckpointError, resolve_resume
+from glm_training.rollout.dit import predict_velocity
+from glm_training.rollout.nft import NFTSamples, keep_for_update, sample_ode
+from glm_training.trainers.dit_trainer import DiTRollout, DiTTrainer
+from glm_training.trainers.reward_trainer import Batch, StatMeans, split_mini_batches
+
+OLD_POLICY_FILE = "nft_old_policy.pt"
+NFT_STATS = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "old_deviation", "r_mean")
+# Offset of the update's noise seed from the rollout's, so the two streams never coincide.
+UPDATE_SEED_OFFSET = 1_000_000_007
+
+
+class OldPolicy:
+    """DiffusionNFT's old model: an EMA of the trainable weights that samples and anchors v+ and v-.
+
+    LoRA: the old adapter weights live beside the module and are swapped in (by reference, no copy) for the
+    duration of `module()`. Full fine-tuning: a frozen copy of the module.
+    """
+
+    def __init__(self, module: nn.Module, lora: bool):
+        self.live = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        self.module_ = module
+        self.copy: nn.Module | None = None
+        if lora:
+            self.weights = {n: p.detach().clone() for n, p in self.live.items()}
+        else:
+            self.copy = copy.deepcopy(module).requires_grad_(False).eval()
+            params = dict(self.copy.named_parameters())
+            self.weights = {n: params[n] for n in self.live}
+
+    @contextlib.contextmanager
+    def module(self) -> Iterator[nn.Module]:
+        """The old model to call (under no_grad): the frozen copy, or the module with the old adapters in."""
+        if self.copy is not None:
+            yield self.copy
+            return
+        current = {n: p.data for n, p in self.live.items()}
+        try:
+            for n, p in self.live.items():
+                p.data = self.weights[n].data
+            yield self.module_
+        finally:
+            for n, p in self.live.items():
+                p.data = current[n]
+
+    def update(self, decay: float) -> None:
+        """`old <- decay * old + (1 - decay) * current` (the reference's update after every rollout)."""
+        names = list(self.live)
+        ema_update_([self.weights[n] for n in names], [self.live[n] for n in names], decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: w.detach().cpu().clone() for n, w in self.weights.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != set(self.weights):
+            raise CheckpointError(
+                f"{OLD_POLICY_FILE} does not match the model being trained; was it written with other "
+                "model.lora settings?"
+            )
+        with torch.no_grad():
+            for n, w in self.weights.items():
+                w.copy_(state[n].to(w.device, w.dtype))
+
+
+class NFTTrainer(DiTTrainer):
+    """DiffusionNFT: `DiTTrainer`'s rollout frame and advantages, the old model's ODE, the NFT update."""
+
+    def _setup_trainable(self, module: nn.Module) -> nn.Module:
+        module = super()._setup_trainable(module)
+        # Starts equal to the policy (the reference copies the adapter before the first rollout).
+        self.old_policy = OldPolicy(module, self.cfg.model.lora.enabled)
+        return module
+
+    def sample_chunk(self, latents, cond, timesteps, sigmas, window, generator) -> tuple[Any, torch.Tensor]:
+        """The old model's ODE sample of one micro-batch; keeps x_0 and the conditioning."""
+        s = self.cfg.sampling
+        with self.old_policy.module() as old:
+            final = sample_ode(
+                old,
+                latents,
+                cond,
+                timesteps,
+                sigmas,
+                guidance_scale=s.guidance_scale,
+                batched_cfg=s.batched_cfg,
+            )
+        return keep_for_update(cond, final), final
+
+    def sde_window(self, step: int) -> tuple[int, int]:
+        return 0, 0  # every step is an ODE step
+
+    def _update(self, batch: Batch, step: int) -> dict[str, float]:
+        a, s = self.cfg.algo, self.cfg.sampling
+        rollout: DiTRollout = batch.rollout
+        chunks: list[NFTSamples] = rollout.trajectories
+        sizes = [c.final_latents.shape[0] for c in chunks]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        num_times = a.num_train_times(s.num_steps)
+        r_n = optimality_probability(batch.advantages.float(), a.adv_clip_max)
+        generator = torch.Generator().manual_seed(self.sample_seed(step) + UPDATE_SEED_OFFSET)
+        stats, grad_norms = StatMeans(NFT_STATS), []
+        for _ in range(a.num_inner_epochs):
+            for mini in split_mini_batches(len(chunks), a.num_mini_batches):
+                num_samples = sum(sizes[m] for m in mini)
+                for pos, m in enumerate(mini):
+                    chunk = chunks[m]
+                    r = r_n[offsets[m] : offsets[m] + sizes[m]].to(self.device)
+                    times_bk = train_time_indices(sizes[m], s.num_steps, num_times, generator)
+                    noise_kb = torch.randn((num_times, *chunk.final_latents.shape), generator=generator)
+                    for j in range(num_times):
+                        last = pos == len(mini) - 1 and j == num_times - 1
+                        sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+                        with sync:
+                            values = self._loss_and_backward(
+                                chunk, times_bk[:, j], noise_kb[j], r, rollout, num_samples * num_times
+                            )
+                        stats.add(values)
+                grad_norms.append(self.optimizer_step())
+        # The optimizer-step count is the scheduler's, which checkpoints restore: the decay resumes exactly.
+        decay = old_model_decay(self.lr_scheduler.last_epoch, a.decay_type)
+        self.old_policy.update(decay)
+        out = stats.means()
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["num_optimizer_steps"] = float(len(grad_norms))
+        out["num_train_times"] = float(num_times)
+        out["old_decay"] = decay
+        return self.mean_over_ranks(out)
+
+    def _loss_and_backward(
+        self, chunk: NFTSamples, time_idx: torch.Tensor, noise: torch.Tensor, r, rollout, denominator: int
+    ) -> dict[str, float]:
+        """NFT loss of one micro-batch at one training time per sample; backward of its share of the mean.
+
+        time_idx [B]: schedule indices (sigma for the forward process, the schedule's timestep for the DiT,
+        as in sampling); noise [B, C, h, w]; r [B] optimality probabilities.
+        """
+        a = self.cfg.algo
+        x0 = chunk.final_latents.to(self.device)
+        t = rollout.sigmas[time_idx].to(self.device)
+        timestep = rollout.timesteps[time_idx].to(self.device)
+        x_t = noised_latents(x0, noise.to(self.device), t)
+        cond = chunk.cond.to(self.device)
+        with self.policy_precision():
+            # CFG-free: the conditional velocity only (guidance_scale 1).
+            with torch.no_grad(), self.old_policy.module() as old:
+                v_old = predict_velocity(old, x_t, timestep, cond, 1.0)
+            v = predict_velocity(self.model, x_t, timestep, cond, 1.0)
+            policy_b, terms = nft_loss(v, v_old, x_t, x0, t, r, a.nft_beta, a.adv_clip_max)
+            kl_b = torch.zeros_like(policy_b)
+            if a.beta > 0:
+                with torch.no_grad(), self.reference_model() as reference:
+                    v_ref = predict_velocity(reference, x_t, timestep, cond, 1.0)
+                kl_b = velocity_kl(v, v_ref)
+            loss_b = policy_b + a.beta * kl_b
+        self.accelerator.backward(loss_b.sum() / denominator)
+        return {
+            "loss": loss_b.detach().mean(),
+            "policy_loss": policy_b.detach().mean(),
+            "kl": kl_b.detach().mean(),
+            "positive_loss": terms["positive_loss"].mean(),
+            "negative_loss": terms["negative_loss"].mean(),
+            "old_deviation": ((v.detach() - v_old) ** 2).mean(),
+            "r_mean": r.mean(),
+        }
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        return {OLD_POLICY_FILE: self.old_policy.state_dict()}
+
+    def _maybe_resume(self) -> int:
+        step = super()._maybe_resume()
+        if step:
+            path = resolve_resume(self.cfg.trainer.resume, self.output_dir) / OLD_POLICY_FILE
+            if not path.is_file():
+                raise CheckpointError(
+                    f"{path} is missing: the checkpoint was not written by a DiffusionNFT run "
+                    "(configs/nft_training.yaml); resume it with the config it was trained with."
+                )
+            self.old_policy.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return step
