@@ -239,14 +239,12 @@ def load_pipeline_from_checkpoints(
     """
     from diffusers import GlmImagePipeline
 
-    from glm_training.models.wrapper import resolve_model_path
+    from glm_training.models.wrapper import model_path
 
     infos = inspect_checkpoints([Path(c) for c in checkpoints], use_ema=use_ema)
     dtype = dtype or _default_dtype(infos)
     base = infos[0].model
-    # Checkpoints from before the real-width fixture have no shape_* keys: that fixture has one layer each.
-    shape_layers = (getattr(base, "shape_num_ar_layers", 1), getattr(base, "shape_num_dit_layers", 1))
-    path = resolve_model_path(base.name, base.tiny_seed, shape_layers)
+    path = model_path(base)
     logger.info("loading the base model %s (%s) on CPU", path, dtype)
     pipe = GlmImagePipeline.from_pretrained(path, dtype=dtype)
     for info in infos:

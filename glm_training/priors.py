@@ -141,13 +141,13 @@ def cache_settings(cfg: Any, *, num_priors: int, seed: int, fingerprint: str, we
 def ar_sampling_parameters(model_cfg: Any) -> dict:
     """The AR generation settings the pipeline samples with (its `generation_config.json`, do_sample on)."""
     from glm_training.models.frozen_weights import resolve_weights_source
-    from glm_training.models.wrapper import resolve_model_path
+    from glm_training.models.wrapper import model_path
 
     source = resolve_weights_source(model_cfg, "ar")
     folder = (
         source.path
         if source is not None and source.kind == "export"
-        else Path(resolve_model_path(model_cfg.name, model_cfg.tiny_seed)) / "vision_language_encoder"
+        else Path(model_path(model_cfg)) / "vision_language_encoder"
     )
     path = folder / "generation_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -334,9 +334,9 @@ def load_ar_pipeline(model_cfg: Any, device: torch.device) -> Any:
 
     from glm_training.models.frozen_weights import apply_weights_source, resolve_weights_source
     from glm_training.models.placement import parse_dtype
-    from glm_training.models.wrapper import resolve_model_path
+    from glm_training.models.wrapper import model_path
 
-    path = resolve_model_path(model_cfg.name, model_cfg.tiny_seed)
+    path = model_path(model_cfg)
     skipped = dict.fromkeys(("text_encoder", "transformer", "vae", "tokenizer"))
     pipeline = GlmImagePipeline.from_pretrained(path, dtype=parse_dtype(model_cfg.dtype), **skipped)
     ar = pipeline.vision_language_encoder

@@ -36,7 +36,7 @@ from glm_training.export import (
     merge_lora_adapters,
     read_checkpoint,
 )
-from glm_training.models.wrapper import TRAINABLE_COMPONENTS, resolve_model_path
+from glm_training.models.wrapper import TRAINABLE_COMPONENTS, model_path
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def folder_digest(folder: Path) -> str:
 
 def _base_folder(model_cfg: Any, component: str) -> Path:
     """The local folder of the base pipeline, fetching only `model_index.json` of a hub id if needed."""
-    path = Path(resolve_model_path(model_cfg.name, model_cfg.tiny_seed))
+    path = Path(model_path(model_cfg))
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download

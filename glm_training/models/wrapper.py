@@ -46,6 +46,16 @@ def resolve_model_path(model_name: str, tiny_seed: int = 0, shape_layers: tuple[
     return str(path) if path.exists() else model_name
 
 
+def model_path(model_cfg: Any) -> str:
+    """`resolve_model_path` of a `ModelConfig` (or a run's recorded one: configs from before the real-width
+    fixture have no shape_* keys, and that fixture then has one layer per stack)."""
+    shape_layers = (
+        getattr(model_cfg, "shape_num_ar_layers", 1),
+        getattr(model_cfg, "shape_num_dit_layers", 1),
+    )
+    return resolve_model_path(model_cfg.name, model_cfg.tiny_seed, shape_layers)
+
+
 class GLMImageWrapper:
     """Load a `GlmImagePipeline` and expose its trainable component and its frozen components.
 
