@@ -130,6 +130,17 @@ class ModelConfig:
         """(AR layers, DiT blocks) of the `glm_image_shape` fixture."""
         return self.shape_num_ar_layers, self.shape_num_dit_layers
 
+    def base_model_id(self) -> tuple:
+        """What identifies the base weights: the name, plus what picks a built fixture's random weights.
+
+        Runs can be combined (export, model.ar_weights / dit_weights) only when these are equal.
+        """
+        if self.name == "tiny":
+            return self.name, self.tiny_seed
+        if self.name == "glm_image_shape":
+            return self.name, self.tiny_seed, self.shape_layers()
+        return (self.name,)
+
 
 @dataclass
 class DataConfig:

@@ -193,7 +193,8 @@ def inspect_checkpoints(checkpoints: list[Path], *, use_ema: bool = False) -> li
             raise CheckpointError(
                 f"the checkpoints were trained from different base models: {_base_model(first)} "
                 f"('{first.path}') vs {_base_model(second)} ('{second.path}'); only runs of the same "
-                "model.name (and model.tiny_seed for the tiny model) can be combined into one pipeline."
+                "model.name (and, for a built fixture, its seed and layer counts) can be combined into one "
+                "pipeline."
             )
     if use_ema:
         lacking = [str(info.path) for info in infos if not info.has_ema]
@@ -205,9 +206,8 @@ def inspect_checkpoints(checkpoints: list[Path], *, use_ema: bool = False) -> li
     return infos
 
 
-def _base_model(info: CheckpointInfo) -> tuple[str, int | None]:
-    # The seed only picks the tiny model's random weights; for a real model it is ignored.
-    return info.model.name, (info.model.tiny_seed if info.model.name == "tiny" else None)
+def _base_model(info: CheckpointInfo) -> tuple:
+    return info.model.base_model_id()
 
 
 def _default_dtype(infos: list[CheckpointInfo]) -> torch.dtype:

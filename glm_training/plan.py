@@ -277,7 +277,11 @@ def build_plan(
         component, strategy if world_size > 1 else "single process", world_size, device_bytes=device_bytes
     )
 
+    # A DiT run on cached prior tokens never loads the AR model (`data.prior_cache`).
+    not_loaded = {"vision_language_encoder"} if component == "dit" and cfg.data.prior_cache else set()
     for name, module in modules.items():
+        if name in not_loaded:
+            continue
         n = _numel(module)
         sharded = name == trained_name and shard > 1  # LoRA too: fully_shard shards frozen base weights
         where = f"1/{shard} shard per rank" if sharded else "replicated"
@@ -310,6 +314,10 @@ def build_plan(
     plan.static.append(Term("optimizer state (AdamW)", 2 * local * pbytes, "exp_avg + exp_avg_sq"))
     if getattr(cfg.algo, "ema", False):
         plan.static.append(Term("EMA copy", local * pbytes, ""))
+    if getattr(cfg.algo, "name", "") == "nft":
+        # DiffusionNFT's old (sampling) model: a float32 copy of the adapters, or a frozen copy of the module.
+        old_bytes = n_train * (pbytes if m.lora.enabled else wbytes)
+        plan.static.append(Term("NFT old model", old_bytes / shard, "copy of the trained weights"))
     if not m.lora.enabled and cfg.algo.beta > 0:
         plan.static.append(
             Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights")

@@ -104,3 +104,19 @@ def test_deepspeed_without_the_package_is_a_config_error():
 
     with pytest.raises(ConfigError, match="pip install deepspeed"):
         make_accelerator(strategy="deepspeed")
+
+
+def test_base_model_identity_covers_what_picks_a_fixtures_weights():
+    from glm_training.config import ModelConfig
+
+    # Export and model.ar_weights / dit_weights combine runs only when these are equal.
+    assert (
+        ModelConfig(name="tiny", tiny_seed=0).base_model_id()
+        != ModelConfig(name="tiny", tiny_seed=1).base_model_id()
+    )
+    one, two = (ModelConfig(name="glm_image_shape", shape_num_dit_layers=n) for n in (1, 2))
+    assert one.base_model_id() != two.base_model_id()
+    assert one.base_model_id() == ModelConfig(name="glm_image_shape").base_model_id()
+    # A real checkpoint's weights do not depend on the tiny seed.
+    real = ModelConfig(name="zai-org/GLM-Image", tiny_seed=0).base_model_id()
+    assert real == ModelConfig(name="zai-org/GLM-Image", tiny_seed=3).base_model_id()

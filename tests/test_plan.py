@@ -90,6 +90,24 @@ def test_fsdp_divides_the_trained_component_by_the_world_size():
     assert fsdp.peak < ddp.peak
 
 
+def test_a_cached_prior_run_plans_no_ar_weights(tmp_path):
+    live = build_plan(_cfg("model=glm_image"))
+    cached = build_plan(_cfg("model=glm_image", overrides=[f"data.prior_cache={tmp_path}"]))
+    ar = _terms(live)["weights: vision_language_encoder"]
+    assert "weights: vision_language_encoder" not in _terms(cached)
+    assert cached.peak == pytest.approx(live.peak - ar)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_diffusion_nft_plans_its_old_model(lora):
+    cfg = load_config(config="nft_training", overrides=["model=glm_image", f"model.lora.enabled={lora}"])
+    terms = _terms(build_plan(cfg))
+    # The old model is a copy of what trains: the float32 adapters, or the whole bf16 DiT.
+    expected = terms["trainable (LoRA adapters)"] if lora else terms["weights: transformer"]
+    assert terms["NFT old model"] == pytest.approx(expected)
+    assert "NFT old model" not in _terms(build_plan(_cfg("model=glm_image")))
+
+
 def test_a_run_that_cannot_fit_stops_naming_terms_and_fixes():
     cfg = _cfg(
         "model=glm_image",

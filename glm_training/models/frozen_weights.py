@@ -102,13 +102,13 @@ def resolve_weights_source(model_cfg: Any, component: str) -> WeightsSource | No
             f"'{spec}' holds a {info.component} checkpoint ({info.pipeline_component}); {key} takes a "
             f"{component} run, checkpoint or export.",
         )
-    base = (model_cfg.name, model_cfg.tiny_seed if model_cfg.name == "tiny" else None)
-    theirs = (info.model.name, info.model.tiny_seed if info.model.name == "tiny" else None)
+    base, theirs = model_cfg.base_model_id(), info.model.base_model_id()
     if base != theirs:
         raise ConfigError(
             key,
             f"'{spec}' was trained from base model {theirs}, this run loads {base}; set model.name (and "
-            "model.tiny_seed) to the checkpoint's, or export it first and give the export folder.",
+            "model.tiny_seed, model.shape_num_*_layers) to the checkpoint's, or export it first and give the "
+            "export folder.",
         )
     return WeightsSource(component, "checkpoint", info.path, info)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from glm_training.algorithms.nft import (
     train_time_indices,
     velocity_kl,
 )
-from glm_training.checkpoint import CheckpointError, resolve_resume
+from glm_training.checkpoint import CheckpointError
 from glm_training.rollout.dit import predict_velocity
 from glm_training.rollout.nft import NFTSamples, keep_for_update, sample_ode
 from glm_training.trainers.dit_trainer import DiTRollout, DiTTrainer
@@ -203,14 +204,12 @@ class NFTTrainer(DiTTrainer):
     def checkpoint_extras(self) -> dict[str, Any]:
         return {OLD_POLICY_FILE: self.old_policy.state_dict()}
 
-    def _maybe_resume(self) -> int:
-        step = super()._maybe_resume()
-        if step:
-            path = resolve_resume(self.cfg.trainer.resume, self.output_dir) / OLD_POLICY_FILE
-            if not path.is_file():
-                raise CheckpointError(
-                    f"{path} is missing: the checkpoint was not written by a DiffusionNFT run "
-                    "(configs/nft_training.yaml); resume it with the config it was trained with."
-                )
-            self.old_policy.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return step
+    def load_checkpoint_extras(self, path: Path) -> None:
+        # `path` is the checkpoint rank 0 chose and verified (hashes) for every rank.
+        file = path / OLD_POLICY_FILE
+        if not file.is_file():
+            raise CheckpointError(
+                f"{file} is missing: the checkpoint was not written by a DiffusionNFT run "
+                "(configs/nft_training.yaml); resume it with the config it was trained with."
+            )
+        self.old_policy.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))

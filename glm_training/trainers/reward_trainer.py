@@ -413,12 +413,20 @@ class RewardTrainer:
         sources = frozen_weight_sources(m, self.component, skip)
         # Rank 0 first: it builds the tiny model (transformers writes weights only on rank 0) or fetches
         # the checkpoint; the other ranks then find it complete. Bounded by the stage timeout.
+        # An error must not skip the block's barrier (the other ranks would wait there until the process-group
+        # timeout): it is raised after the block, where every rank is released.
+        path, error = None, None
         with self.accelerator.main_process_first():
-            path = run_stage(
-                f"resolve model '{m.name}'",
-                lambda: resolve_model_path(m.name, m.tiny_seed, m.shape_layers()),
-                m.stage_timeout_s,
-            )
+            try:
+                path = run_stage(
+                    f"resolve model '{m.name}'",
+                    lambda: resolve_model_path(m.name, m.tiny_seed, m.shape_layers()),
+                    m.stage_timeout_s,
+                )
+            except Exception as err:  # noqa: BLE001  (re-raised below, outside the barrier)
+                error = err
+        if error is not None:
+            raise error
         wrapper, self.placement = load_for_training(
             m,
             self.component,
@@ -613,9 +621,13 @@ class RewardTrainer:
         )
         if self.ema is not None and ema_state is not None:
             self.ema.load_state_dict(ema_state)
+        self.load_checkpoint_extras(path)
         self.metrics.truncate_after(step)
         logger.info("resumed from %s at step %d", path, step)
         return step
+
+    def load_checkpoint_extras(self, path: Path) -> None:
+        """Restore what `checkpoint_extras` saved, from the checkpoint folder every rank resumes from."""
 
     def _progress_bar(self):
         if not (self.is_main and self.cfg.trainer.progress_bar):
