@@ -35,6 +35,7 @@ class Run:
             self.proc = subprocess.Popen(
                 args, cwd=REPO, env=env, stdout=err, stderr=err, start_new_session=True
             )
+        self.workers: set[int] = set()  # every worker pid seen (each in a session of its own, see kill_all)
 
     def text(self) -> str:
         return self.log.read_text(encoding="utf-8", errors="replace")
@@ -61,15 +62,25 @@ class Run:
             rank = env_rank(pid)
             if rank is not None:
                 found[rank] = pid
+        self.workers.update(found.values())
         return found
 
     def kill_all(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGKILL's cleanup
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """Kill the launcher's process group and every worker's.
+
+        torchrun starts each worker in a session of its own: killing the launcher's group alone would orphan
+        them, and a stopped rank would live on.
+        """
+        self.workers.update(children(self.proc.pid))
+        for pgid in (*self.workers, self.proc.pid):
+            for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped process is resumed to die at once
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
         self.proc.wait(timeout=30)
+        for pid in self.workers:
+            wait_until_gone(pid, timeout=30)
 
 
 def children(pid: int) -> list[int]:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import DIT_SMALL, PYTHON
-from process_helpers import TORCHRUN, Run, group_members, wait_until_gone
+from process_helpers import TORCHRUN, Run, group_members, is_running, wait_until_gone
 from safetensors.torch import load_file
 
 from glm_training.cli import run
@@ -159,3 +159,4 @@ def test_the_survivor_of_a_dead_or_stalled_rank_fails_in_bounded_time_naming_the
         assert f"trainer.dist_timeout_s={bound}" in log
     job.kill_all()
     assert group_members(job.proc.pid) == []
+    assert not any(is_running(pid) for pid in ranks.values())  # the workers' own sessions too
