@@ -226,6 +226,28 @@ def denoising_inputs(args: argparse.Namespace, device: torch.device, dtype: torc
     return pipe, transformer, cond, latents0
 
 
+def seeded_rollout(args, inputs, device, *, noise_level, sde_window, batched_cfg=False):
+    """The rollout the benchmarks time: `sample_trajectory` from the fixed initial latents and noise seed.
+
+    `inputs` is what `denoising_inputs` returns.
+    """
+    pipe, transformer, cond, latents0 = inputs
+    timesteps, sigmas = glm_image_schedule(pipe, args.steps, args.height, args.width)
+    return sample_trajectory(
+        transformer,
+        latents0.clone(),
+        cond,
+        timesteps,
+        sigmas,
+        guidance_scale=args.guidance,
+        noise_level=noise_level,
+        sde_type="flow_sde",
+        sde_window=sde_window,
+        generator=torch.Generator(device).manual_seed(args.seed),
+        batched_cfg=batched_cfg,
+    )
+
+
 def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
 
     pipe, transformer, cond, latents0 = denoising_inputs(args, device, dtype)
@@ -246,18 +268,12 @@ def bench_denoising(args: argparse.Namespace, device: torch.device, dtype: torch
         )[0]
 
     def run_rollout(noise_level: float = NOISE_LEVEL):
-        timesteps, sigmas = glm_image_schedule(pipe, args.steps, args.height, args.width)
-        return sample_trajectory(
-            transformer,
-            latents0.clone(),
-            cond,
-            timesteps,
-            sigmas,
-            guidance_scale=args.guidance,
+        return seeded_rollout(
+            args,
+            (pipe, transformer, cond, latents0),
+            device,
             noise_level=noise_level,
-            sde_type="flow_sde",
             sde_window=(0, args.steps),
-            generator=torch.Generator(device).manual_seed(args.seed),
         )
 
     # Parity (and warm-up): with noise level 0 the rollout must reproduce the pipeline's latents.
@@ -366,22 +382,13 @@ def bench_trainer(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def bench_batched_cfg(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
-    pipe, transformer, cond, latents0 = denoising_inputs(args, device, dtype)
-    timesteps, sigmas = glm_image_schedule(pipe, args.steps, args.height, args.width)
+    inputs = denoising_inputs(args, device, dtype)
+    cond = inputs[2]
 
     def rollout(batched: bool, noise_level: float = NOISE_LEVEL):
-        return sample_trajectory(
-            transformer,
-            latents0.clone(),
-            cond,
-            timesteps,
-            sigmas,
-            guidance_scale=args.guidance,
-            noise_level=noise_level,
-            sde_type="flow_sde",
-            sde_window=(0, args.steps - 1),
-            generator=torch.Generator(device).manual_seed(args.seed),
-            batched_cfg=batched,
+        window = (0, args.steps - 1)
+        return seeded_rollout(
+            args, inputs, device, noise_level=noise_level, sde_window=window, batched_cfg=batched
         )
 
     with torch.no_grad():
