@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from glm_training import sharding
 from glm_training.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -139,15 +141,20 @@ def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def load_trainable_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def check_trainable_names(module: nn.Module, names: set[str]) -> None:
+    """Refuse a checkpoint whose parameter names are not exactly the trainable parameters of `module`."""
     expected = {n for n, p in module.named_parameters() if p.requires_grad}
-    missing, unexpected = expected - set(state), set(state) - expected
+    missing, unexpected = expected - names, names - expected
     if missing or unexpected:
         raise CheckpointError(
             "checkpoint does not match the model being trained: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Was it written with other "
             "model.lora settings or another model.name?"
         )
+
+
+def load_trainable_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    check_trainable_names(module, set(state))
     params = dict(module.named_parameters())
     with torch.no_grad():
         for name, value in state.items():
@@ -190,11 +197,20 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state).
 
-    `extra_files` ({file name: object for `torch.save`}) is a trainer's own state (e.g. DiffusionNFT's old
-    model), written inside the same atomic folder.
+    A module sharded by FSDP2 is gathered first (a collective: see `sharding.py`), so the files are the same
+    as an unsharded run's, except that the optimizer state is keyed by parameter name. `extra_files`
+    ({file name: object for `torch.save`}) is a trainer's own state (e.g. DiffusionNFT's old model), written
+    inside the same atomic folder.
     """
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
+    sharded = sharding.is_sharded(module)
+    weights, optimizer_state = {}, {}
+    if sharded:
+        weights = sharding.gathered_trainable_state(module)
+        optimizer_state = sharding.gathered_optimizer_state(module, optimizer)
+    elif is_main:
+        weights, optimizer_state = trainable_state_dict(module), optimizer.state_dict()
     if is_main:
         if final.exists():
             raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}.")
@@ -203,8 +219,8 @@ def save_checkpoint(
     barrier()
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if is_main:
-        save_file(trainable_state_dict(module), str(tmp / WEIGHTS_FILE))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        save_file(weights, str(tmp / WEIGHTS_FILE))
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
         if ema_state is not None:
             torch.save(ema_state, tmp / "ema.pt")
@@ -215,7 +231,9 @@ def save_checkpoint(
     if is_main:
         write_hashes(tmp)
         # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "component": component}), encoding="utf-8")
+        (tmp / STATE_FILE).write_text(
+            json.dumps({"step": step, "component": component, "sharded": sharded}), encoding="utf-8"
+        )
         tmp.rename(final)
         logger.info("saved checkpoint %s", final)
     barrier()
@@ -238,10 +256,33 @@ def load_checkpoint(
     lr_scheduler: Any,
     rank: int,
 ) -> tuple[int, dict | None]:
-    """Restore everything `save_checkpoint` wrote; returns (step, EMA state or None)."""
-    step = int(read_checkpoint_state(path)["step"])
-    load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    """Restore everything `save_checkpoint` wrote; returns (step, EMA state or None).
+
+    Into a module sharded by FSDP2 (a collective): rank 0 reads the weights and optimizer state and they are
+    scattered to every rank's shards; the names are checked on every rank first, so all refuse together.
+    """
+    state = read_checkpoint_state(path)
+    step = int(state["step"])
+    sharded = sharding.is_sharded(module)
+    if bool(state.get("sharded", False)) != sharded:
+        written, now = ("fsdp", "ddp") if state.get("sharded") else ("ddp", "fsdp")
+        raise CheckpointError(
+            f"'{path}' was written by a trainer.strategy={written} run and this one runs {now}: their "
+            f"optimizer states differ in layout. Resume with trainer.strategy={written}, or start a new run "
+            f"from its weights (model.dit_weights / model.ar_weights={path})."
+        )
+    optimizer_file = path / "optimizer.pt"
+    if sharded:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            check_trainable_names(module, set(f.keys()))
+        main = rank == 0
+        weights = load_file(str(path / WEIGHTS_FILE)) if main else {}
+        sharding.load_gathered_trainable_state(module, weights)
+        optimizer_state = torch.load(optimizer_file, map_location="cpu", weights_only=True) if main else {}
+        sharding.load_gathered_optimizer_state(module, optimizer, optimizer_state)
+    else:
+        load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
+        optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
     lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():

@@ -313,7 +313,12 @@ class TrainerConfig:
     keep_last: int = 0  # 0 keeps every checkpoint
     resume: str | None = None  # a checkpoint folder, or "latest" (newest in output_dir)
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
-    strategy: str = "ddp"  # ddp | fsdp | deepspeed (multi-process engines of accelerate)
+    # ddp (replicated weights, accelerate's DDP) | fsdp (FSDP2 `fully_shard`: the trainable component, its
+    # gradients and optimizer state split over the ranks; see glm_training/sharding.py)
+    strategy: str = "ddp"
+    # fsdp + full fine-tuning with algo.beta > 0: keep the frozen KL reference's shards in host memory and
+    # copy them to the device for each forward (FSDP2's CPUOffloadPolicy), instead of on the device.
+    fsdp_reference_offload: bool = False
     # Bound on every collective once training runs: a rank that dies or stalls makes the others fail within
     # it, naming the step and phase. Loading is bounded by model.stage_timeout_s instead. It must cover the
     # longest wait of one rank for another, e.g. rank 0 writing a full fine-tune's checkpoint.
@@ -334,7 +339,19 @@ class TrainerConfig:
         _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = only at the end).")
         _check(self.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 = keep all).")
         _check_choice(self.mixed_precision, ("no", "bf16", "fp16"), "trainer.mixed_precision")
-        _check_choice(self.strategy, ("ddp", "fsdp", "deepspeed"), "trainer.strategy")
+        _check(
+            self.strategy != "deepspeed",
+            "trainer.strategy",
+            "deepspeed is not supported: no DeepSpeed run passes this project's tests. Use "
+            "trainer.strategy=fsdp (FSDP2) to shard parameters, gradients and optimizer state.",
+        )
+        _check_choice(self.strategy, ("ddp", "fsdp"), "trainer.strategy")
+        _check(
+            self.strategy != "fsdp" or self.mixed_precision != "fp16",
+            "trainer.mixed_precision",
+            "fp16 is not supported with trainer.strategy=fsdp (it would need a sharded gradient scaler); "
+            "use bf16, whose FSDP2 policy computes in bf16 and reduces gradients in fp32.",
+        )
 
 
 @dataclass
@@ -641,6 +658,12 @@ class DiTTrainConfig:
     def __post_init__(self) -> None:
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
         self._check_algo_with_sampling()
+        _check(
+            not (self.algo.ema and self.trainer.strategy == "fsdp"),
+            "algo.ema",
+            "EMA is not supported with trainer.strategy=fsdp yet (its shadow weights would be sharded); "
+            "set algo.ema=false or trainer.strategy=ddp.",
+        )
 
     def _check_algo_with_sampling(self) -> None:
         # GRPO-Guard's re-centring assumes Gaussian log-probs; Flow-GRPO's CPS log-prob has no 1 / (2 std^2).
@@ -664,14 +687,14 @@ class NFTTrainConfig(DiTTrainConfig):
         pass  # NFT samples with the ODE: no log-probs, so no GRPO-Guard
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        # The old model is a copy of the unsharded trainable weights (or swapped into them): FSDP and
-        # DeepSpeed shard those, so only DDP keeps the old model's forward passes correct.
+        # The old model is a copy of the unsharded trainable weights (or swapped into them): FSDP shards
+        # those, so only DDP keeps the old model's forward passes correct.
         _check(
             self.trainer.strategy == "ddp",
             "trainer.strategy",
             f"DiffusionNFT runs under ddp only, got '{self.trainer.strategy}'; set trainer.strategy=ddp.",
         )
+        super().__post_init__()
 
 
 @dataclass

@@ -113,11 +113,14 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
 def make_accelerator(
     *,
     mixed_precision: str = "no",
-    strategy: str = "ddp",
     timeout_s: float = 1800.0,
     seed_everything: int | None = None,
 ):
-    """The accelerate engine: DDP by default, FSDP or DeepSpeed when asked; gloo on machines without CUDA.
+    """The accelerate engine (process group, DDP wrapping, autocast); gloo on machines without CUDA.
+
+    `strategy=fsdp` uses the same plain engine: the trainer shards the trainable component with FSDP2
+    itself (`sharding.py`, one unit per block, which accelerate's plugin does not choose for GLM-Image)
+    and does not let accelerate wrap it.
 
     `cpu=True` on a CUDA-less machine is what makes accelerate pick its MULTI_CPU/gloo mode under torchrun
     (otherwise it silently runs each rank as an independent single process).
@@ -125,29 +128,10 @@ def make_accelerator(
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    kwargs: dict[str, Any] = {}
-    if strategy == "fsdp":
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()
-    elif strategy == "deepspeed":
-        import importlib.util
-
-        from accelerate.utils import DeepSpeedPlugin
-
-        if importlib.util.find_spec("deepspeed") is None:
-            from glm_training.config import ConfigError
-
-            raise ConfigError(
-                "trainer.strategy", "'deepspeed' needs the deepspeed package: pip install deepspeed."
-            )
-
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=2)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=mixed_precision,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
-        **kwargs,
     )
     if seed_everything is not None:
         from accelerate.utils import set_seed

@@ -131,21 +131,30 @@ def evaluate_prompts(
     world_size: int = 1,
     num_grid_images: int | None = None,
     prior_tokens: Callable[[list[str]], torch.Tensor] | None = None,
+    equal_calls: bool = False,
 ) -> tuple[dict[str, Any], list]:
     """Sample and score every prompt; ranks take whole batches and gather the scores.
 
     Returns (result dict as written to `<step>.json`, images in prompt order). Only the first
     `num_grid_images` images (all when None) travel to rank 0, which alone writes the grid; on other ranks
-    the images list is empty.
+    the images list is empty. `equal_calls` (a model sharded with FSDP, whose every forward is a
+    collective): a rank with fewer batches than the others then samples the first batch again, unscored.
     """
     local = []  # (prompt index, image or None, {reward name: score})
-    for batch in rank_batches(len(prompts), sampling.batch_size, rank, world_size):
+    batches = rank_batches(len(prompts), sampling.batch_size, rank, world_size)
+    for batch in batches:
         texts = [prompts[i].text for i in batch]
         images = sample_batch(pipeline, texts, sampling, device, prior_tokens)
         parts = reward_set(images, texts, [prompts[i].metadata for i in batch])
         for j, (i, image) in enumerate(zip(batch, images)):
             keep = num_grid_images is None or i < num_grid_images
             local.append((i, image if keep else None, {name: float(v[j]) for name, v in parts.items()}))
+    if equal_calls:
+        most = len(rank_batches(len(prompts), sampling.batch_size, 0, world_size))  # rank 0 has the most
+        for _ in range(most - len(batches)):
+            sample_batch(
+                pipeline, [p.text for p in prompts[: sampling.batch_size]], sampling, device, prior_tokens
+            )
     gathered = sorted(
         dist.flatten(dist.gather_objects(local)) if world_size > 1 else local, key=lambda r: r[0]
     )

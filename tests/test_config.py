@@ -95,15 +95,19 @@ def test_entry_points_exit_nonzero_before_loading_any_model(script, args, needle
     assert elapsed < 10, f"took {elapsed:.1f} s"
 
 
-def test_deepspeed_without_the_package_is_a_config_error():
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is not None:
-        pytest.skip("deepspeed is installed here")
-    from glm_training.distributed import make_accelerator
-
-    with pytest.raises(ConfigError, match="pip install deepspeed"):
-        make_accelerator(strategy="deepspeed")
+@pytest.mark.parametrize(
+    ("overrides", "field", "needle"),
+    [
+        (["trainer.strategy=deepspeed"], "trainer.strategy", "trainer.strategy=fsdp"),
+        (["trainer.strategy=fsdp", "trainer.mixed_precision=fp16"], "trainer.mixed_precision", "use bf16"),
+        (["trainer.strategy=fsdp", "algo.ema=true"], "algo.ema", "algo.ema=false"),
+    ],
+    ids=["deepspeed", "fsdp-fp16", "fsdp-ema"],
+)
+def test_unsupported_engines_are_refused_with_the_fix(overrides, field, needle):
+    with pytest.raises(ConfigError, match=field) as info:
+        load_config(overrides, "t2i_training")
+    assert needle in str(info.value)
 
 
 def test_base_model_identity_covers_what_picks_a_fixtures_weights():

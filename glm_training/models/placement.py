@@ -185,20 +185,30 @@ def run_stage(name: str, fn: Callable[[], T], timeout_s: float) -> T:
 
 
 def describe_module(name: str, module: nn.Module) -> str:
-    """One log line: where a component landed, its dtype(s) and its parameter counts."""
+    """One log line: where a component landed, its dtype(s) and its parameter counts.
+
+    A component that trains also says how much of it this rank holds, `(<N> local of <M> trainable
+    params)` in M's unit: all of it unsharded, about 1/world under FSDP (`sharding.py`).
+    """
+    from glm_training.sharding import trainable_counts
+
     devices = sorted({str(p.device) for p in module.parameters()} or {"(no parameters)"})
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters()} or {"-"})
     total = sum(p.numel() for p in module.parameters())
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    local, trainable = trainable_counts(module)
+    counts = (
+        f"{_human(local, trainable)} local of {_human(trainable)} trainable params" if trainable else "frozen"
+    )
     return (
-        f"{name}: device {','.join(devices)} | dtype {','.join(dtypes)} | "
-        f"{_human(total)} params ({_human(trainable)} trainable)"
+        f"{name}: device {','.join(devices)} | dtype {','.join(dtypes)} | {_human(total)} params ({counts})"
     )
 
 
-def _human(n: int) -> str:
+def _human(n: int, scale: int | None = None) -> str:
+    """`n` with the unit that suits `scale` (default `n` itself), so that two counts compare at a glance."""
+    scale = n if scale is None else scale
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
+        if scale >= size:
             return f"{n / size:.2f}{unit}"
     return str(n)
 

@@ -21,7 +21,6 @@ takes an equal slice of the pool, moved to its own device on arrival (seed 003).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -314,12 +313,7 @@ class ARTrainer(RewardTrainer):
                     mb = micro[m]
                     adv = batch.advantages[offsets[m] : offsets[m + 1]].to(self.device)
                     mask = mb.completion_mask.to(self.device)
-                    sync = (
-                        self.accelerator.no_sync(self.model)
-                        if pos < len(mini) - 1
-                        else contextlib.nullcontext()
-                    )
-                    with sync, self.policy_precision():
+                    with self.no_sync(pos == len(mini) - 1), self.policy_precision():
                         new = teacher_forced_log_probs(self.model, mb, params)
                         per_token = policy_loss_fn(new, old[m], adv, mask, a.epsilon_low, a.epsilon_high)
                         policy_loss = aggregate(per_token, mask)

@@ -15,7 +15,6 @@ Log-probs are means over latent elements (Flow-GRPO's reduction), which is why `
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,8 +236,7 @@ class DiTTrainer(RewardTrainer):
                     keep = keep_n[offsets[m] : offsets[m] + sizes[m]].to(self.device)
                     for j in train_steps:
                         last = pos == len(mini) - 1 and j == train_steps[-1]
-                        sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
-                        with sync:
+                        with self.no_sync(last):
                             values = self._loss_and_backward(
                                 traj, j, rollout, adv, keep, max(num_kept, 1), len(train_steps)
                             )

@@ -147,8 +147,7 @@ class NFTTrainer(DiTTrainer):
                     noise_kb = torch.randn((num_times, *chunk.final_latents.shape), generator=generator)
                     for j in range(num_times):
                         last = pos == len(mini) - 1 and j == num_times - 1
-                        sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
-                        with sync:
+                        with self.no_sync(last):
                             values = self._loss_and_backward(
                                 chunk, times_bk[:, j], noise_kb[j], r, rollout, num_samples * num_times
                             )

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from glm_training import distributed as dist
+from glm_training import sharding
 from glm_training.algorithms.advantages import (
     batch_std_advantages,
     centered_advantages,
@@ -152,7 +153,6 @@ class RewardTrainer:
         self.is_distributed, self.distributed_reason = dist.detect_distributed(strategy=cfg.trainer.strategy)
         self.accelerator = dist.make_accelerator(
             mixed_precision=cfg.trainer.mixed_precision,
-            strategy=cfg.trainer.strategy,
             # Loading (rank 0 may download while the others wait) has its own bound; `train()` then
             # tightens every collective to trainer.dist_timeout_s.
             timeout_s=max(cfg.trainer.dist_timeout_s, cfg.model.stage_timeout_s),
@@ -169,13 +169,20 @@ class RewardTrainer:
         self.memory_plan = log_memory_plan(cfg, self.accelerator)  # on GPUs: stops here if it cannot fit
         self.wrapper = self._build_model()
         self.trainable = self._setup_trainable(self.wrapper.trainable)
+        self.sharded = self._shard_if_asked()
+        logger.info(
+            "[load] %s", describe_module(f"{self.wrapper.trainable_name} (trainable)", self.trainable)
+        )
         self.wrapper.trainable = self.trainable
         self.ema = self._build_ema()
-        self.optimizer, self.lr_scheduler = self._build_optimizer()
-        # Placement is already done (`_build_model`); accelerate only wraps (DDP / FSDP / DeepSpeed).
-        self.model, self.optimizer = self.accelerator.prepare(
-            self.trainable, self.optimizer, device_placement=[False, False]
-        )
+        self.optimizer, self.lr_scheduler = self._build_optimizer()  # over the shards, when sharded
+        if self.sharded:
+            self.model = self.trainable  # FSDP2 shards in place: the module is its own wrapper
+        else:
+            # Placement is already done (`_build_model`); accelerate only wraps (DDP).
+            self.model, self.optimizer = self.accelerator.prepare(
+                self.trainable, self.optimizer, device_placement=[False, False]
+            )
         self.start_step = self._maybe_resume()
         self.wrapper.pipeline.set_progress_bar_config(disable=True)
         self.tracker = build_tracker(
@@ -482,8 +489,42 @@ class RewardTrainer:
                 f"no trainable parameters in the {self.component} model: model.lora.target_modules="
                 f"{list(lora.target_modules)} matched nothing; name modules that exist in it."
             )
-        logger.info("[load] %s", describe_module(f"{self.wrapper.trainable_name} (trainable)", module))
         return module
+
+    def _shard_if_asked(self) -> bool:
+        """`trainer.strategy=fsdp`: shard the trainable component (and a frozen reference copy) with FSDP2.
+
+        In place, after LoRA and gradient checkpointing are set up and before the optimizer is built over
+        the shards. The reference copy is sharded the same way, with the same precision policy, so the
+        first KL is exactly 0. One process has nothing to shard: it trains unsharded, and says so.
+        """
+        t = self.cfg.trainer
+        if t.strategy != "fsdp":
+            return False
+        if self.world_size == 1:
+            logger.warning("trainer.strategy=fsdp in a single process: nothing to shard, training unsharded")
+            return False
+        sharding.shard(self.trainable, self.component, self.device, self.world_size, t.mixed_precision)
+        if self.reference is not None:
+            sharding.shard(
+                self.reference,
+                self.component,
+                self.device,
+                self.world_size,
+                t.mixed_precision,
+                cpu_offload=t.fsdp_reference_offload,
+            )
+        return True
+
+    def no_sync(self, last: bool):
+        """Context of one backward of an optimizer step: DDP all-reduces gradients only at the `last` one.
+
+        FSDP2 reduce-scatters at every backward instead: deferring it would keep a full unsharded copy of
+        the gradients on every rank, the memory sharding is there to save. The sums are the same.
+        """
+        if last or self.sharded:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.model)
 
     def _trainable_submodules(self, module: nn.Module) -> list[nn.Module]:
         """The parts of the trainable component that the training forward pass uses (default: all of it)."""
@@ -531,7 +572,8 @@ class RewardTrainer:
         step (see `guards.py`). Under DDP the norm comes from all-reduced gradients: every rank agrees.
         """
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = float(self.accelerator.clip_grad_norm_(params, self.cfg.optim.max_grad_norm))
+        clip = sharding.clip_grad_norm_ if self.sharded else self.accelerator.clip_grad_norm_
+        grad_norm = float(clip(params, self.cfg.optim.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.num_skipped_nonfinite += 1
             if self.accelerator.scaler is not None:
@@ -687,6 +729,7 @@ class RewardTrainer:
                 world_size=self.world_size,
                 num_grid_images=self.cfg.eval.num_grid_images,
                 prior_tokens=self._eval_prior_tokens(),
+                equal_calls=self.sharded,
             )
         scalars = eval_scalars(result)
         if self.is_main:

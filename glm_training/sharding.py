@@ -1,0 +1,155 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for `trainer.strategy=fsdp`: sharding, clipping, checkpoints.
+
+The trainable component is sharded in place: one shard unit per DiT transformer block or GLM decoder layer
+(`SHARD_UNITS`), plus the root unit holding the rest (embeddings, heads, the unused vision tower). Every
+parameter is split along its first dimension over the ranks, so each rank holds about 1/world of the
+component, its gradients and its optimizer state. The module keeps its class (FSDP2 subclasses it in
+place) and its parameter names, so the pipeline, the rollouts, the reference pass and evaluation call the
+same object, and a forward call gathers each unit's parameters just before it runs.
+
+A forward through a sharded module is a collective: every rank must make the same calls in the same order.
+The trainers give every rank the same number of micro-batches; the AR model's `generate()` runs in
+transformers' `synced_gpus` mode (a rank that is done keeps stepping until all are); evaluation pads the
+ranks with fewer prompt batches with a discarded batch (`evaluate.rank_batches(equal_counts=True)`).
+
+Mixed precision: with `trainer.mixed_precision=bf16` the policy computes with bf16 parameters and reduces
+gradients in fp32 (the sharded master weights stay in their loaded dtype); otherwise the parameters'
+own dtype throughout.
+
+Checkpoints are gathered, not sharded (`torch.distributed.checkpoint.state_dict` with `full_state_dict`):
+rank 0 writes the same `trainable.safetensors` a DDP run writes, so export, chaining (`model.dit_weights`)
+and the hashes work unchanged, and a run may resume on another number of ranks. The optimizer state is
+written keyed by parameter name. The cost is rank 0's CPU memory for one full copy of the trainable
+parameters and their optimizer state (for a full fine-tune of the 7B DiT in fp32: ~84 GB of host memory),
+gathered one tensor at a time; loading broadcasts from rank 0, so only rank 0 reads the files.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Component -> its repeated blocks, one FSDP unit each (the unit of gathering: one block's weights at a time).
+SHARD_UNITS = {
+    "dit": lambda module: list(module.transformer_blocks),  # GlmImageTransformerBlock
+    "ar": lambda module: list(module.get_decoder().layers),  # GlmImageTextDecoderLayer
+}
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@functools.cache
+def _mesh(device_type: str, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))
+
+
+def mixed_precision_policy(mixed_precision: str):
+    """bf16 compute with fp32 gradient reduction for `bf16`; the parameters' own dtype for `no`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(
+    module: nn.Module,
+    component: str,
+    device: torch.device,
+    world_size: int,
+    mixed_precision: str = "no",
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard `module` in place over all ranks (units of `SHARD_UNITS[component]`, then the root); returns it.
+
+    `cpu_offload` keeps the shards in host memory and copies them to `device` for each forward (FSDP2's
+    `CPUOffloadPolicy`; used for the frozen KL reference of a full fine-tune).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": _mesh(device.type, world_size),
+        "mp_policy": mixed_precision_policy(mixed_precision),
+    }
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for unit in SHARD_UNITS[component](module):
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+    # transformers' generate() then runs with synced_gpus: no rank stops stepping before the others.
+    module._is_fsdp_managed_module = True
+    return module
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """Elements of `param` this rank holds (its shard under FSDP2, all of it otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def trainable_counts(module: nn.Module) -> tuple[int, int]:
+    """(elements of the trainable parameters held by this rank, elements of the trainable parameters)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return sum(local_numel(p) for p in params), sum(p.numel() for p in params)
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip sharded gradients by their global 2-norm (the norm of the full gradient, same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the shards' partial norms, reduced over the ranks
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def gathered_trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full trainable parameters, on CPU, on rank 0 ({} elsewhere), named as unsharded."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(module, options=_options(cpu_offload=True, ignore_frozen_params=True))
+    return {name: value.contiguous() for name, value in state.items()}
+
+
+def load_gathered_trainable_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Collective: rank 0's full trainable parameters (`state`; {} elsewhere) into every rank's shards."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(module, state, options=_options(broadcast_from_rank0=True, strict=False))
+
+
+def gathered_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: the full optimizer state keyed by parameter name, on CPU, on rank 0 ({} elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
+
+
+def load_gathered_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Collective: rank 0's full optimizer state (`state`; {} elsewhere) into every rank's shards."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=_options(broadcast_from_rank0=True))

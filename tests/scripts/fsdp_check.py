@@ -1,0 +1,48 @@
+"""Run under `torchrun --nproc_per_node=2` by tests/test_fsdp.py: several short runs of one trainer.
+
+argv: OUT KIND RUNS_JSON. KIND is "dit" or "ar"; RUNS_JSON maps a run name to its config overrides, run in
+order (a later run may resume from an earlier one's checkpoint; a name ending in "!error" must be
+refused, and its message is reported). Each run writes its own output folder
+(the overrides name it); rank r writes `<OUT>/rank<r>.json`: per run, whether the trainable component
+was sharded and how many of its trainable elements this rank held.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from glm_training import distributed as dist
+from glm_training.config import load_config
+from glm_training.errors import UserError
+from glm_training.sharding import trainable_counts
+from glm_training.trainers.ar_trainer import ARTrainer
+from glm_training.trainers.dit_trainer import DiTTrainer
+
+TRAINERS = {"dit": (DiTTrainer, "t2i_training"), "ar": (ARTrainer, "ar_training")}
+
+
+def main() -> None:
+    out, kind, runs = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    trainer_cls, config = TRAINERS[kind]
+    report = {}
+    for name, overrides in runs.items():
+        if name.endswith("!error"):  # a run that must be refused: its message is the report
+            try:
+                trainer_cls(load_config(overrides, config))
+            except UserError as err:
+                report[name] = {"error": str(err)}
+                continue
+            raise AssertionError(f"run {name} was not refused")
+        trainer = trainer_cls(load_config(overrides, config))
+        local, total = trainable_counts(trainer.trainable)
+        report[name] = {"sharded": trainer.sharded, "local": local, "total": total}
+        trainer.train()
+    rank = dist.rank_info().rank
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
