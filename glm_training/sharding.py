@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -85,6 +86,10 @@ def shard(
     }
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    # FSDP2 warns when a unit returns a view (the DiT's output is a reshape): an in-place op on it would skip
+    # the gradient all-gather. The rollout and loss math use out-of-place ops only, and tests/test_fsdp.py
+    # checks the sharded gradients against DDP's.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for unit in SHARD_UNITS[component](module):
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)

@@ -77,7 +77,19 @@ def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
             f"trainer.output_dir={out / mode / 'resumed'}",
             f"trainer.resume={_checkpoint(out / mode / 'fsdp', 1)}",
         ]
-    if kind == "dit":  # refused before any collective: every rank reads the checkpoint's strategy
+    if kind == "dit":
+        # The frozen reference's shards in host memory: on a CPU machine the same numbers as on the device.
+        runs["full/fsdp-offload"] = [
+            *runs["full/fsdp"][:-1],
+            f"trainer.output_dir={out / 'full' / 'fsdp-offload'}",
+            "trainer.fsdp_reference_offload=true",
+        ]
+        runs["lora/fsdp-bf16"] = [
+            *runs["lora/fsdp"][:-1],
+            f"trainer.output_dir={out / 'lora' / 'fsdp-bf16'}",
+            "trainer.mixed_precision=bf16",
+        ]
+        # Refused before any collective: every rank reads the checkpoint's strategy.
         runs["full/ddp-from-fsdp!error"] = [
             *base,
             *MODES["full"],
@@ -200,6 +212,27 @@ def test_fsdp_checkpoint_exports_to_plain_diffusers(runs, tmp_path):
     params = dict(component.named_parameters())
     assert trained.keys() <= params.keys()
     assert all(torch.equal(params[k].detach(), v) for k, v in trained.items())
+
+
+def test_bf16_policy_computes_in_bf16_with_the_first_ratio_exactly_one(dit_runs):
+    out, reports, _ = dit_runs
+    assert [r["dtypes"] for r in reports["lora/fsdp"]] == [["torch.float32"]] * 2
+    assert [r["dtypes"] for r in reports["lora/fsdp-bf16"]] == [["torch.bfloat16"]] * 2
+    first = _metrics(out / "lora" / "fsdp-bf16")[0]
+    assert first["ratio_mean"] == 1.0 and first["approx_kl"] == 0.0 and first["kl"] == 0.0
+    # The sharded master weights stay fp32 and train.
+    weights = _weights(out / "lora" / "fsdp-bf16", 2)
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+
+
+def test_reference_offloaded_to_host_memory_gives_the_same_run(dit_runs):
+    out, _, _ = dit_runs
+    drop = ("step_time_s",)
+    on_device, offloaded = (
+        [{k: v for k, v in r.items() if k not in drop} for r in _metrics(out / "full" / name)]
+        for name in ("fsdp", "fsdp-offload")
+    )
+    assert offloaded == on_device and on_device[-1]["kl"] > 0
 
 
 def test_resuming_across_strategies_is_refused_with_the_fix(dit_runs):

@@ -13,10 +13,12 @@ import json
 import sys
 from pathlib import Path
 
+from accelerate.state import AcceleratorState
+
 from glm_training import distributed as dist
 from glm_training.config import load_config
 from glm_training.errors import UserError
-from glm_training.sharding import trainable_counts
+from glm_training.sharding import SHARD_UNITS, trainable_counts
 from glm_training.trainers.ar_trainer import ARTrainer
 from glm_training.trainers.dit_trainer import DiTTrainer
 
@@ -28,6 +30,9 @@ def main() -> None:
     trainer_cls, config = TRAINERS[kind]
     report = {}
     for name, overrides in runs.items():
+        # accelerate keeps one engine state per process; each run sets its own precision (the process group,
+        # in accelerate's PartialState, stays).
+        AcceleratorState._reset_state()
         if name.endswith("!error"):  # a run that must be refused: its message is the report
             try:
                 trainer_cls(load_config(overrides, config))
@@ -37,8 +42,15 @@ def main() -> None:
             raise AssertionError(f"run {name} was not refused")
         trainer = trainer_cls(load_config(overrides, config))
         local, total = trainable_counts(trainer.trainable)
-        report[name] = {"sharded": trainer.sharded, "local": local, "total": total}
+        # The dtype the first block's weights have while it runs (FSDP2's policy casts the gathered ones).
+        seen = set()
+        unit = SHARD_UNITS[kind](trainer.trainable)[0]
+        hook = unit.register_forward_pre_hook(
+            lambda module, args, seen=seen: seen.update(str(p.dtype) for p in module.parameters())
+        )
         trainer.train()
+        hook.remove()
+        report[name] = {"sharded": trainer.sharded, "local": local, "total": total, "dtypes": sorted(seen)}
     rank = dist.rank_info().rank
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
