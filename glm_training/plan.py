@@ -319,14 +319,19 @@ def build_plan(
         old_bytes = n_train * (pbytes if m.lora.enabled else wbytes)
         plan.static.append(Term("NFT old model", old_bytes / shard, "copy of the trained weights"))
     if not m.lora.enabled and cfg.algo.beta > 0:
-        plan.static.append(
-            Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights")
-        )
+        if shard > 1 and cfg.trainer.fsdp_reference_offload:
+            plan.static.append(Term("KL reference copy", 0, "shards in host memory (fsdp_reference_offload)"))
+        else:
+            plan.static.append(
+                Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights")
+            )
     if shard > 1:
-        # One unit gathered for compute and the next one prefetched (FSDP2's default).
+        # One unit gathered for compute and the next one prefetched (FSDP2's default), in the policy's
+        # compute dtype (bf16 under trainer.mixed_precision=bf16).
         unit = _numel(layers[0]) if len(layers) else 0
+        gbytes = DTYPE_BYTES["bfloat16"] if cfg.trainer.mixed_precision == "bf16" else wbytes
         plan.static.append(
-            Term("FSDP gathered units", 2 * unit * wbytes, "one layer computing, one prefetched")
+            Term("FSDP gathered units", 2 * unit * gbytes, "one layer computing, one prefetched")
         )
 
     s = cfg.sampling

@@ -90,6 +90,24 @@ def test_fsdp_divides_the_trained_component_by_the_world_size():
     assert fsdp.peak < ddp.peak
 
 
+def test_fsdp_reference_offload_and_bf16_gathers_change_their_terms():
+    full = ["model.lora.enabled=false", "algo.beta=0.04", "model.dtype=float32"]
+    plain = _terms(build_plan(_cfg("model=glm_image", overrides=full), world_size=8, strategy="fsdp"))
+    tuned = _terms(
+        build_plan(
+            _cfg(
+                "model=glm_image",
+                overrides=[*full, "trainer.fsdp_reference_offload=true", "trainer.mixed_precision=bf16"],
+            ),
+            world_size=8,
+            strategy="fsdp",
+        )
+    )
+    assert plain["KL reference copy"] == pytest.approx(plain["weights: transformer"])  # 1/8 each
+    assert tuned["KL reference copy"] == 0  # its shards live in host memory
+    assert tuned["FSDP gathered units"] == pytest.approx(plain["FSDP gathered units"] / 2)  # bf16, not fp32
+
+
 def test_a_cached_prior_run_plans_no_ar_weights(tmp_path):
     live = build_plan(_cfg("model=glm_image"))
     cached = build_plan(_cfg("model=glm_image", overrides=[f"data.prior_cache={tmp_path}"]))
