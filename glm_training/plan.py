@@ -326,12 +326,19 @@ def build_plan(
                 Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights")
             )
     if shard > 1:
-        # One unit gathered for compute and the next one prefetched (FSDP2's default), in the policy's
-        # compute dtype (bf16 under trainer.mixed_precision=bf16).
+        # One unit gathered for compute and the next one prefetched (FSDP2's default), plus the root unit
+        # (everything outside the layers: embeddings, heads), gathered for the whole forward; in the
+        # policy's compute dtype (bf16 under trainer.mixed_precision=bf16).
         unit = _numel(layers[0]) if len(layers) else 0
+        root = _numel(trained) - sum(_numel(layer) for layer in layers)
+        gathered = min(2, len(layers))
         gbytes = DTYPE_BYTES["bfloat16"] if cfg.trainer.mixed_precision == "bf16" else wbytes
         plan.static.append(
-            Term("FSDP gathered units", 2 * unit * gbytes, "one layer computing, one prefetched")
+            Term(
+                "FSDP gathered units",
+                (gathered * unit + root) * gbytes,
+                f"{gathered} layer(s) (one computing, one prefetched) + the root unit",
+            )
         )
 
     s = cfg.sampling

@@ -83,10 +83,10 @@ def test_fsdp_divides_the_trained_component_by_the_world_size():
     assert (
         f["weights: vision_language_encoder"] == d["weights: vision_language_encoder"]
     )  # frozen: replicated
-    one_block = sum(
-        p.numel() for p in meta_components(cfg.model)["transformer"].transformer_blocks[0].parameters()
-    )
-    assert f["FSDP gathered units"] == 2 * one_block * 2
+    dit = meta_components(cfg.model)["transformer"]
+    one_block = sum(p.numel() for p in dit.transformer_blocks[0].parameters())
+    root = sum(p.numel() for p in dit.parameters()) - len(dit.transformer_blocks) * one_block
+    assert f["FSDP gathered units"] == (2 * one_block + root) * 2  # bf16 weights
     assert fsdp.peak < ddp.peak
 
 
