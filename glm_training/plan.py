@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from glm_training.errors import UserError
+from glm_training.sharding import SHARD_UNITS
 
 logger = logging.getLogger("glm_training")
 
@@ -327,10 +328,10 @@ def build_plan(
             )
     if shard > 1:
         # One unit gathered for compute and the next one prefetched (FSDP2's default), plus the root unit
-        # (everything outside the layers: embeddings, heads), gathered for the whole forward; in the
+        # (everything outside `SHARD_UNITS`: embeddings, heads), gathered for the whole forward; in the
         # policy's compute dtype (bf16 under trainer.mixed_precision=bf16).
         unit = _numel(layers[0]) if len(layers) else 0
-        root = _numel(trained) - sum(_numel(layer) for layer in layers)
+        root = _numel(trained) - sum(_numel(u) for u in SHARD_UNITS[component](trained))
         gathered = min(2, len(layers))
         gbytes = DTYPE_BYTES["bfloat16"] if cfg.trainer.mixed_precision == "bf16" else wbytes
         plan.static.append(

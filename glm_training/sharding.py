@@ -1,11 +1,12 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) for `trainer.strategy=fsdp`: sharding, clipping, checkpoints.
 
 The trainable component is sharded in place: one shard unit per DiT transformer block or GLM decoder layer
-(`SHARD_UNITS`), plus the root unit holding the rest (embeddings, heads, the unused vision tower). Every
-parameter is split along its first dimension over the ranks, so each rank holds about 1/world of the
-component, its gradients and its optimizer state. The module keeps its class (FSDP2 subclasses it in
-place) and its parameter names, so the pipeline, the rollouts, the reference pass and evaluation call the
-same object, and a forward call gathers each unit's parameters just before it runs.
+(`SHARD_UNITS`; the AR model's unused image-input towers are units too), plus the root unit holding the
+rest (embeddings, heads, final norms). Every parameter is split along its first dimension over the ranks,
+so each rank holds about 1/world of the component, its gradients and its optimizer state. The module keeps
+its class (FSDP2 subclasses it in place) and its parameter names, so the pipeline, the rollouts, the
+reference pass and evaluation call the same object, and a forward call gathers each unit's parameters just
+before it runs.
 
 A forward through a sharded module is a collective: every rank must make the same calls in the same order.
 The trainers give every rank the same number of micro-batches; the AR model's `generate()` runs in
@@ -36,10 +37,13 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Component -> its repeated blocks, one FSDP unit each (the unit of gathering: one block's weights at a time).
+# Component -> its FSDP units besides the root (a unit is gathered whole when it runs): the repeated blocks,
+# and for the AR model also its image-input towers (vision encoder, VQ tokenizer), which text-to-image never
+# runs: as units of their own they stay sharded and are never gathered, where inside the root unit they
+# would be gathered at every forward (every generated token).
 SHARD_UNITS = {
     "dit": lambda module: list(module.transformer_blocks),  # GlmImageTransformerBlock
-    "ar": lambda module: list(module.get_decoder().layers),  # GlmImageTextDecoderLayer
+    "ar": lambda module: [*module.get_decoder().layers, module.model.visual, module.model.vqmodel],
 }
 
 
