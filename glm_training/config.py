@@ -316,6 +316,10 @@ class TrainerConfig:
     # ddp (replicated weights, accelerate's DDP) | fsdp (FSDP2 `fully_shard`: the trainable component, its
     # gradients and optimizer state split over the ranks; see glm_training/sharding.py)
     strategy: str = "ddp"
+    # fsdp: gather the whole trained component once for each rollout and evaluation instead of one unit per
+    # forward (per denoising step / generated token); one full copy per rank while sampling (TRL's
+    # ds3_gather_for_generation). false = least memory, many more all-gathers.
+    fsdp_gather_for_rollout: bool = True
     # fsdp + full fine-tuning with algo.beta > 0: keep the frozen KL reference's shards in host memory and
     # copy them to the device for each forward (FSDP2's CPUOffloadPolicy), instead of on the device.
     fsdp_reference_offload: bool = False

@@ -326,6 +326,7 @@ def build_plan(
             plan.static.append(
                 Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights")
             )
+    rollout_gather = 0.0
     if shard > 1:
         # One unit gathered for compute and the next one prefetched (FSDP2's default), plus the root unit
         # (everything outside `SHARD_UNITS`: embeddings, heads), gathered for the whole forward; in the
@@ -334,13 +335,17 @@ def build_plan(
         root = _numel(trained) - sum(_numel(u) for u in SHARD_UNITS[component](trained))
         gathered = min(2, len(layers))
         gbytes = DTYPE_BYTES["bfloat16"] if cfg.trainer.mixed_precision == "bf16" else wbytes
+        units_bytes = (gathered * unit + root) * gbytes
         plan.static.append(
             Term(
                 "FSDP gathered units",
-                (gathered * unit + root) * gbytes,
+                units_bytes,
                 f"{gathered} layer(s) (one computing, one prefetched) + the root unit",
             )
         )
+        if cfg.trainer.fsdp_gather_for_rollout:
+            # Sampling gathers the whole component once (`sharding.gathered`), in place of the units above.
+            rollout_gather = _numel(trained) * gbytes - units_bytes
 
     s = cfg.sampling
     height, width = s.height, s.width
@@ -390,6 +395,12 @@ def build_plan(
         vae_bytes_per_pixel * decode_batch * height * width * wbytes / 2,
         f"{decode_batch} images of {height}x{width}",
     )
+    if rollout_gather > plan.rollout.bytes:  # the decode runs after the gathered weights are freed
+        plan.rollout = Term(
+            "FSDP rollout gather (transient)",
+            rollout_gather,
+            f"whole {trained_name} gathered for sampling (trainer.fsdp_gather_for_rollout) less the units",
+        )
     reward_params = sum(REWARD_PARAMS.get(n, 0) for n in cfg.reward.names)
     if reward_params:
         plan.static.append(

@@ -27,6 +27,7 @@ gathered one tensor at a time; loading broadcasts from rank 0, so only rank 0 re
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -100,6 +101,30 @@ def shard(
     # transformers' generate() then runs with synced_gpus: no rank stops stepping before the others.
     module._is_fsdp_managed_module = True
     return module
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """Every unit of a sharded `module` gathered once, kept for the block, then sharded again.
+
+    For sampling (rollouts, evaluation), where a forward per denoising step or per generated token would
+    otherwise all-gather every unit each time (TRL gathers ZeRO-3 weights for generation the same way,
+    `ds3_gather_for_generation`). The gathered weights are the same values the per-unit gathers give (in
+    the policy's compute dtype), so the numbers do not change; the cost is one full copy of the component
+    per rank while the block runs. Inside it forwards make no collective.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield module
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
 
 
 def local_numel(param: torch.Tensor) -> int:

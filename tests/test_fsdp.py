@@ -78,16 +78,20 @@ def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
             f"trainer.resume={_checkpoint(out / mode / 'fsdp', 1)}",
         ]
     if kind == "dit":
-        # The frozen reference's shards in host memory: on a CPU machine the same numbers as on the device.
+        # The frozen reference's shards in host memory (on a CPU machine the same numbers as on the device),
+        # and sampling through per-unit gathers instead of the whole component gathered once: neither may
+        # change a number.
         runs["full/fsdp-offload"] = [
             *runs["full/fsdp"][:-1],
             f"trainer.output_dir={out / 'full' / 'fsdp-offload'}",
             "trainer.fsdp_reference_offload=true",
+            "trainer.fsdp_gather_for_rollout=false",
         ]
         runs["lora/fsdp-bf16"] = [
             *runs["lora/fsdp"][:-1],
             f"trainer.output_dir={out / 'lora' / 'fsdp-bf16'}",
             "trainer.mixed_precision=bf16",
+            "model.gradient_checkpointing=true",  # recomputation re-gathers the unit's weights
         ]
         # Refused before any collective: every rank reads the checkpoint's strategy.
         runs["full/ddp-from-fsdp!error"] = [
@@ -214,7 +218,7 @@ def test_fsdp_checkpoint_exports_to_plain_diffusers(runs, tmp_path):
     assert all(torch.equal(params[k].detach(), v) for k, v in trained.items())
 
 
-def test_bf16_policy_computes_in_bf16_with_the_first_ratio_exactly_one(dit_runs):
+def test_bf16_policy_with_checkpointing_computes_in_bf16_with_the_first_ratio_exactly_one(dit_runs):
     out, reports, _ = dit_runs
     assert [r["dtypes"] for r in reports["lora/fsdp"]] == [["torch.float32"]] * 2
     assert [r["dtypes"] for r in reports["lora/fsdp-bf16"]] == [["torch.bfloat16"]] * 2
@@ -225,7 +229,7 @@ def test_bf16_policy_computes_in_bf16_with_the_first_ratio_exactly_one(dit_runs)
     assert {v.dtype for v in weights.values()} == {torch.float32}
 
 
-def test_reference_offloaded_to_host_memory_gives_the_same_run(dit_runs):
+def test_reference_offload_and_per_unit_sampling_give_the_same_run(dit_runs):
     out, _, _ = dit_runs
     drop = ("step_time_s",)
     on_device, offloaded = (

@@ -108,6 +108,23 @@ def test_fsdp_reference_offload_and_bf16_gathers_change_their_terms():
     assert tuned["FSDP gathered units"] == pytest.approx(plain["FSDP gathered units"] / 2)  # bf16, not fp32
 
 
+def test_fsdp_rollout_gather_is_a_transient_of_the_whole_component():
+    full = ["model.lora.enabled=false", "trainer.mixed_precision=bf16"]
+    on, off = (
+        build_plan(
+            _cfg("model=glm_image", overrides=[*full, f"trainer.fsdp_gather_for_rollout={flag}"]),
+            world_size=8,
+            strategy="fsdp",
+        )
+        for flag in ("true", "false")
+    )
+    dit = sum(p.numel() for p in meta_components(_cfg("model=glm_image").model)["transformer"].parameters())
+    assert on.rollout.name.startswith("FSDP rollout gather")
+    assert on.rollout.bytes == pytest.approx(dit * 2 - _terms(on)["FSDP gathered units"])
+    assert off.rollout.name.startswith("rollout VAE decode")
+    assert on.peak > off.peak
+
+
 def test_a_cached_prior_run_plans_no_ar_weights(tmp_path):
     live = build_plan(_cfg("model=glm_image"))
     cached = build_plan(_cfg("model=glm_image", overrides=[f"data.prior_cache={tmp_path}"]))

@@ -117,7 +117,7 @@ class ARTrainer(RewardTrainer):
     ) -> tuple[ARRollout, list]:
         s = self.cfg.sampling
         texts = [group_prompts[g].text for g in group_ids]
-        with self.policy_precision():
+        with self.policy_precision(), self.sampling_weights():
             samples = sample_image_tokens(
                 self.wrapper.pipeline,
                 texts,

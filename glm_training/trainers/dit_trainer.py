@@ -110,7 +110,7 @@ class DiTTrainer(RewardTrainer):
                 dtype,
             )
             latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=self.device)
-            with self.policy_precision():
+            with self.policy_precision(), self.sampling_weights():
                 kept, final_latents = self.sample_chunk(
                     latents.to(dtype), cond, timesteps, sigmas, window, generator
                 )

@@ -516,6 +516,13 @@ class RewardTrainer:
             )
         return True
 
+    def sampling_weights(self):
+        """Context of a rollout or an evaluation: under FSDP the trained component gathered once for it
+        (`trainer.fsdp_gather_for_rollout`, `sharding.gathered`); otherwise nothing to do."""
+        if self.sharded and self.cfg.trainer.fsdp_gather_for_rollout:
+            return sharding.gathered(self.trainable)
+        return contextlib.nullcontext()
+
     def no_sync(self, last: bool):
         """Context of one backward of an optimizer step: DDP all-reduces gradients only at the `last` one.
 
@@ -718,7 +725,11 @@ class RewardTrainer:
         if not every or not (step % every == 0 or step == self.cfg.trainer.num_steps):
             return {}
         # The pipeline's AR stage reseeds the global RNG; training's random streams must not notice.
-        with self._eval_weights(), torch.random.fork_rng(devices=self._rng_devices()):
+        with (
+            self._eval_weights(),
+            self.sampling_weights(),
+            torch.random.fork_rng(devices=self._rng_devices()),
+        ):
             result, images = evaluate_prompts(
                 self.wrapper.pipeline,
                 self.eval_prompts,
