@@ -1,6 +1,6 @@
 """DDP against FSDP2 at real width: per-rank memory and step time of 2 CPU ranks (gloo), next to the plan.
 
-    python benchmarks/bench_fsdp.py                          # DiT, full fine-tuning, 2 layers, 256², prints a table
+    python benchmarks/bench_fsdp.py                          # DiT, full fine-tuning, 2 layers, 256²
     python benchmarks/bench_fsdp.py --component ar --lora    # other cases
 
 Each case launches `torchrun --nproc_per_node=2` on this file once per strategy. Every rank builds the

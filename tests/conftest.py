@@ -34,6 +34,18 @@ DIT_SMALL = [
     "eval.every_n_steps=0",
 ]
 
+# An AR run small enough for a test: 32x32 images, 1 DiT step to render, 2 groups of 2, no evaluation.
+AR_SMALL = [
+    "trainer.progress_bar=false",
+    "sampling.height=32",
+    "sampling.width=32",
+    "sampling.dit_num_steps=1",
+    "data.num_groups_per_step=2",
+    "data.num_generations=2",
+    "algo.micro_batch_size=2",
+    "eval.every_n_steps=0",
+]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory) -> Path:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import PYTHON, REPO, run_cli, torchrun
+from conftest import AR_SMALL, PYTHON, REPO, run_cli, torchrun
 from safetensors.torch import load_file
 
 from glm_training.cli import run
@@ -15,16 +15,7 @@ from glm_training.config import ConfigError, load_config
 from glm_training.metrics import read_metrics
 from glm_training.trainers.ar_trainer import ARTrainer
 
-SMALL = [
-    "trainer.progress_bar=false",
-    "sampling.height=32",
-    "sampling.width=32",
-    "sampling.dit_num_steps=1",
-    "data.num_groups_per_step=2",
-    "data.num_generations=2",
-    "algo.micro_batch_size=2",
-    "eval.every_n_steps=0",
-]
+SMALL = AR_SMALL
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import conftest
 import numpy as np
 import pytest
 import torch
@@ -34,16 +35,10 @@ DIT_SMALL = [
     "eval.every_n_steps=0",
 ]
 AR_SMALL = [
-    "trainer.progress_bar=false",
-    "sampling.height=32",
-    "sampling.width=32",
-    "sampling.dit_num_steps=1",
-    "data.num_groups_per_step=2",
-    "data.num_generations=2",
+    *conftest.AR_SMALL,
     "algo.micro_batch_size=4",
     "algo.dynamic_sampling=false",
     "trainer.num_steps=1",
-    "eval.every_n_steps=0",
 ]
 # One optimizer step of Adam moves every weight by about lr, so a large lr makes one step visible.
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "optim.lr=0.1"]

@@ -15,21 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DIT_SMALL, REPO, torchrun
+from conftest import AR_SMALL, DIT_SMALL, REPO, torchrun
 from safetensors.torch import load_file
 
 from glm_training.export import main as export_main
 
-AR_SMALL = [
-    "trainer.progress_bar=false",
-    "sampling.height=32",
-    "sampling.width=32",
-    "sampling.dit_num_steps=1",
-    "data.num_groups_per_step=2",
-    "data.num_generations=2",
-    "algo.micro_batch_size=1",
-    "algo.dynamic_sampling=false",
-]
+AR = [*AR_SMALL, "algo.micro_batch_size=1", "algo.dynamic_sampling=false"]
 # 3 samples a rank in micro-batches of 1: gradients accumulate over 3 backward passes per optimizer step.
 DIT = [*DIT_SMALL, "sampling.micro_batch_size=1", "algo.num_mini_batches=1"]
 COMMON = [
@@ -60,7 +51,7 @@ WEIGHT_ATOL = 1e-5
 
 def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp(f"fsdp_{kind}")
-    base = [*(DIT if kind == "dit" else AR_SMALL), *COMMON]
+    base = [*(DIT if kind == "dit" else AR), *COMMON]
     runs = {}
     for mode, mode_args in MODES.items():
         for strategy in ("ddp", "fsdp"):
