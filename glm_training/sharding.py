@@ -11,7 +11,7 @@ before it runs.
 A forward through a sharded module is a collective: every rank must make the same calls in the same order.
 The trainers give every rank the same number of micro-batches; the AR model's `generate()` runs in
 transformers' `synced_gpus` mode (a rank that is done keeps stepping until all are); evaluation pads the
-ranks with fewer prompt batches with a discarded batch (`evaluate.rank_batches(equal_counts=True)`).
+ranks with fewer prompt batches with a discarded batch (`evaluate.evaluate_prompts(equal_calls=True)`).
 
 Mixed precision: with `trainer.mixed_precision=bf16` the policy computes with bf16 parameters and reduces
 gradients in fp32 (the sharded master weights stay in their loaded dtype); otherwise the parameters'

@@ -68,6 +68,13 @@ def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
             f"trainer.output_dir={out / mode / 'resumed'}",
             f"trainer.resume={_checkpoint(out / mode / 'fsdp', 1)}",
         ]
+    if kind == "ar":
+        # generate() through per-unit gathers: every generated token is a collective of every unit.
+        runs["lora/fsdp-per-unit"] = [
+            *runs["lora/fsdp"][:-1],
+            f"trainer.output_dir={out / 'lora' / 'fsdp-per-unit'}",
+            "trainer.fsdp_gather_for_rollout=false",
+        ]
     if kind == "dit":
         # The frozen reference's shards in host memory (on a CPU machine the same numbers as on the device),
         # and sampling through per-unit gathers instead of the whole component gathered once: neither may
@@ -228,6 +235,19 @@ def test_reference_offload_and_per_unit_sampling_give_the_same_run(dit_runs):
         for name in ("fsdp", "fsdp-offload")
     )
     assert offloaded == on_device and on_device[-1]["kl"] > 0
+
+
+def test_ar_generation_runs_in_lockstep_and_per_unit_sampling_gives_the_same_run(ar_runs):
+    out, reports, _ = ar_runs
+    # transformers' generate() sees an FSDP-managed model: synced_gpus, no rank stops stepping early.
+    assert [r["synced_generation"] for r in reports["lora/fsdp"]] == [True, True]
+    assert [r["synced_generation"] for r in reports["lora/ddp"]] == [False, False]
+    drop = ("step_time_s",)
+    gathered, per_unit = (
+        [{k: v for k, v in r.items() if k not in drop} for r in _metrics(out / "lora" / name)]
+        for name in ("fsdp", "fsdp-per-unit")
+    )
+    assert per_unit == gathered
 
 
 def test_resuming_across_strategies_is_refused_with_the_fix(dit_runs):

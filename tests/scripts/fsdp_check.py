@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from accelerate.state import AcceleratorState
+from transformers.distributed.fsdp import is_fsdp_managed_module
 
 from glm_training import distributed as dist
 from glm_training.config import load_config
@@ -50,7 +51,13 @@ def main() -> None:
         )
         trainer.train()
         hook.remove()
-        report[name] = {"sharded": trainer.sharded, "local": local, "total": total, "dtypes": sorted(seen)}
+        report[name] = {
+            "sharded": trainer.sharded,
+            "local": local,
+            "total": total,
+            "dtypes": sorted(seen),
+            "synced_generation": is_fsdp_managed_module(trainer.trainable),
+        }
     rank = dist.rank_info().rank
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
