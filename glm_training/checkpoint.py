@@ -206,9 +206,13 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     sharded = sharding.is_sharded(module)
     weights, optimizer_state = {}, {}
+    # Before the first optimizer step there is no state to gather (and torch's gathering would first
+    # initialise it with a step of its own, which would shift AdamW's bias correction).
+    stepped = bool(optimizer.state)
     if sharded:
         weights = sharding.gathered_trainable_state(module)
-        optimizer_state = sharding.gathered_optimizer_state(module, optimizer)
+        if stepped:
+            optimizer_state = sharding.gathered_optimizer_state(module, optimizer)
     elif is_main:
         weights, optimizer_state = trainable_state_dict(module), optimizer.state_dict()
     if is_main:
@@ -232,7 +236,10 @@ def save_checkpoint(
         write_hashes(tmp)
         # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
         (tmp / STATE_FILE).write_text(
-            json.dumps({"step": step, "component": component, "sharded": sharded}), encoding="utf-8"
+            json.dumps(
+                {"step": step, "component": component, "sharded": sharded, "optimizer_stepped": stepped}
+            ),
+            encoding="utf-8",
         )
         tmp.rename(final)
         logger.info("saved checkpoint %s", final)
@@ -265,11 +272,13 @@ def load_checkpoint(
     step = int(state["step"])
     sharded = sharding.is_sharded(module)
     if bool(state.get("sharded", False)) != sharded:
-        written, now = ("fsdp", "ddp") if state.get("sharded") else ("ddp", "fsdp")
+        written = "fsdp" if state.get("sharded") else "ddp"
+        now = "sharded" if sharded else "unsharded (ddp, or fsdp in one process)"
         raise CheckpointError(
-            f"'{path}' was written by a trainer.strategy={written} run and this one runs {now}: their "
-            f"optimizer states differ in layout. Resume with trainer.strategy={written}, or start a new run "
-            f"from its weights (model.dit_weights / model.ar_weights={path})."
+            f"'{path}' was written by a {'sharded' if state.get('sharded') else 'unsharded'} run "
+            f"(trainer.strategy={written}) and this one is {now}: their optimizer states differ in layout. "
+            f"Resume with trainer.strategy={written}{' on 2 or more ranks' if written == 'fsdp' else ''}, or "
+            f"start a new run from its weights (model.dit_weights / model.ar_weights={path})."
         )
     optimizer_file = path / "optimizer.pt"
     if sharded:
@@ -278,8 +287,11 @@ def load_checkpoint(
         main = rank == 0
         weights = load_file(str(path / WEIGHTS_FILE)) if main else {}
         sharding.load_gathered_trainable_state(module, weights)
-        optimizer_state = torch.load(optimizer_file, map_location="cpu", weights_only=True) if main else {}
-        sharding.load_gathered_optimizer_state(module, optimizer, optimizer_state)
+        if state.get("optimizer_stepped", True):  # every rank reads the flag: all load, or none
+            optimizer_state = (
+                torch.load(optimizer_file, map_location="cpu", weights_only=True) if main else {}
+            )
+            sharding.load_gathered_optimizer_state(module, optimizer, optimizer_state)
     else:
         load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
         optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))

@@ -723,6 +723,12 @@ class ARTrainConfig:
             "component",
             "train_ar.py trains the AR model; use train_dit.py for 'dit'.",
         )
+        _check(
+            not (self.sampling.compile and self.trainer.strategy == "fsdp"),
+            "sampling.compile",
+            "is not supported with trainer.strategy=fsdp (sharded weights are gathered into new buffers, "
+            "which compiled CUDA graphs do not follow); set sampling.compile=false.",
+        )
 
 
 SCHEMAS: dict[str, type] = {

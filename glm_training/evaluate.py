@@ -83,6 +83,25 @@ def rank_batches(num_prompts: int, batch_size: int, rank: int, world_size: int) 
     return batches[rank::world_size]
 
 
+def _rank_work(
+    num_prompts: int, batch_size: int, rank: int, world_size: int, equal_calls: bool
+) -> list[tuple[list[int], int]]:
+    """This rank's batches as (prompt indices, how many of them are scored, from the front).
+
+    With `equal_calls`, every rank gets as many batches as rank 0, each as long as rank 0's first: a short
+    batch is filled, and a missing one made, with the first prompts, sampled and thrown away. The AR model
+    makes one `generate()` per prompt and the DiT one pipeline call per batch, so both then make the same
+    calls on every rank.
+    """
+    work = [(batch, len(batch)) for batch in rank_batches(num_prompts, batch_size, rank, world_size)]
+    if not equal_calls:
+        return work
+    length = min(batch_size, num_prompts)
+    most = len(rank_batches(num_prompts, batch_size, 0, world_size))
+    filled = [(batch + list(range(length - len(batch))), n) for batch, n in work]
+    return filled + [(list(range(length)), 0)] * (most - len(work))
+
+
 @torch.no_grad()
 def sample_batch(
     pipeline,
@@ -138,23 +157,19 @@ def evaluate_prompts(
     Returns (result dict as written to `<step>.json`, images in prompt order). Only the first
     `num_grid_images` images (all when None) travel to rank 0, which alone writes the grid; on other ranks
     the images list is empty. `equal_calls` (a model sharded with FSDP, whose every forward is a
-    collective): a rank with fewer batches than the others then samples the first batch again, unscored.
+    collective): every rank samples the same number of batches of the same size (`_rank_work`).
     """
     local = []  # (prompt index, image or None, {reward name: score})
-    batches = rank_batches(len(prompts), sampling.batch_size, rank, world_size)
-    for batch in batches:
+    for batch, num_scored in _rank_work(len(prompts), sampling.batch_size, rank, world_size, equal_calls):
         texts = [prompts[i].text for i in batch]
-        images = sample_batch(pipeline, texts, sampling, device, prior_tokens)
+        images = sample_batch(pipeline, texts, sampling, device, prior_tokens)[:num_scored]
+        if not num_scored:
+            continue
+        batch, texts = batch[:num_scored], texts[:num_scored]
         parts = reward_set(images, texts, [prompts[i].metadata for i in batch])
         for j, (i, image) in enumerate(zip(batch, images)):
             keep = num_grid_images is None or i < num_grid_images
             local.append((i, image if keep else None, {name: float(v[j]) for name, v in parts.items()}))
-    if equal_calls:
-        most = len(rank_batches(len(prompts), sampling.batch_size, 0, world_size))  # rank 0 has the most
-        for _ in range(most - len(batches)):
-            sample_batch(
-                pipeline, [p.text for p in prompts[: sampling.batch_size]], sampling, device, prior_tokens
-            )
     gathered = sorted(
         dist.flatten(dist.gather_objects(local)) if world_size > 1 else local, key=lambda r: r[0]
     )

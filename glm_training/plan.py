@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from glm_training.errors import UserError
-from glm_training.sharding import SHARD_UNITS
+from glm_training.sharding import SHARD_UNITS, UNUSED_UNITS
 
 logger = logging.getLogger("glm_training")
 
@@ -344,8 +344,10 @@ def build_plan(
             )
         )
         if cfg.trainer.fsdp_gather_for_rollout:
-            # Sampling gathers the whole component once (`sharding.gathered`), in place of the units above.
-            rollout_gather = _numel(trained) * gbytes - units_bytes
+            # Sampling gathers the component once (`sharding.gathered`; not the AR model's unused image
+            # towers), in place of the units above.
+            unused = sum(_numel(u) for u in UNUSED_UNITS[component](trained))
+            rollout_gather = (_numel(trained) - unused) * gbytes - units_bytes
 
     s = cfg.sampling
     height, width = s.height, s.width
@@ -395,11 +397,16 @@ def build_plan(
         vae_bytes_per_pixel * decode_batch * height * width * wbytes / 2,
         f"{decode_batch} images of {height}x{width}",
     )
-    if rollout_gather > plan.rollout.bytes:  # the decode runs after the gathered weights are freed
+    if rollout_gather:
+        # A rollout decodes after the gathered weights are freed; evaluation holds them through the
+        # pipeline's decode.
+        evaluates = bool(cfg.eval.every_n_steps)
+        total = rollout_gather + plan.rollout.bytes if evaluates else max(rollout_gather, plan.rollout.bytes)
         plan.rollout = Term(
-            "FSDP rollout gather (transient)",
-            rollout_gather,
-            f"whole {trained_name} gathered for sampling (trainer.fsdp_gather_for_rollout) less the units",
+            "FSDP sampling gather (transient)",
+            total,
+            f"{trained_name} gathered for sampling (trainer.fsdp_gather_for_rollout) less the units"
+            + (", + the evaluation's VAE decode" if evaluates else ""),
         )
     reward_params = sum(REWARD_PARAMS.get(n, 0) for n in cfg.reward.names)
     if reward_params:

@@ -46,6 +46,11 @@ SHARD_UNITS = {
     "dit": lambda module: list(module.transformer_blocks),  # GlmImageTransformerBlock
     "ar": lambda module: [*module.get_decoder().layers, module.model.visual, module.model.vqmodel],
 }
+# The units of SHARD_UNITS that text-to-image never runs: `gathered` leaves them sharded.
+UNUSED_UNITS = {
+    "dit": lambda module: [],
+    "ar": lambda module: [module.model.visual, module.model.vqmodel],
+}
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -65,9 +70,14 @@ def mixed_precision_policy(mixed_precision: str):
     """bf16 compute with fp32 gradient reduction for `bf16`; the parameters' own dtype for `no`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    # The inputs keep their dtype (`cast_forward_inputs=False`): autocast decides each op's precision, as it
+    # does unsharded. Cast to bf16, the DiT's timestep would be rounded (986.3 -> 988) and condition
+    # every block on another time than the pipeline's.
     if mixed_precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
 def shard(
@@ -95,27 +105,31 @@ def shard(
     # the gradient all-gather. The rollout and loss math use out-of-place ops only, and tests/test_fsdp.py
     # checks the sharded gradients against DDP's.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    # Units free their gathered weights after forward; the root keeps its own (backward starts with it),
+    # which is FSDP2's default, spelt out because `gathered` restores it.
     for unit in SHARD_UNITS[component](module):
-        fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
+        fully_shard(unit, reshard_after_forward=True, **kwargs)
+    fully_shard(module, reshard_after_forward=False, **kwargs)
     # transformers' generate() then runs with synced_gpus: no rank stops stepping before the others.
     module._is_fsdp_managed_module = True
     return module
 
 
 @contextlib.contextmanager
-def gathered(module: nn.Module):
-    """Every unit of a sharded `module` gathered once, kept for the block, then sharded again.
+def gathered(module: nn.Module, component: str):
+    """Every unit of a sharded `module` that runs gathered once, kept for the block, then sharded again.
 
     For sampling (rollouts, evaluation), where a forward per denoising step or per generated token would
     otherwise all-gather every unit each time (TRL gathers ZeRO-3 weights for generation the same way,
     `ds3_gather_for_generation`). The gathered weights are the same values the per-unit gathers give (in
     the policy's compute dtype), so the numbers do not change; the cost is one full copy of the component
-    per rank while the block runs. Inside it forwards make no collective.
+    per rank while the block runs (the AR model's unused image towers stay sharded). Inside it forwards
+    make no collective.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    unused = {id(unit) for unit in UNUSED_UNITS[component](module)}
+    units = [m for m in module.modules() if isinstance(m, FSDPModule) and id(m) not in unused]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -124,7 +138,7 @@ def gathered(module: nn.Module):
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            unit.set_reshard_after_forward(unit is not module, recurse=False)  # as `shard` set them
 
 
 def local_numel(param: torch.Tensor) -> int:

@@ -110,6 +110,14 @@ def test_unsupported_engines_are_refused_with_the_fix(overrides, field, needle):
     assert needle in str(info.value)
 
 
+def test_compiled_ar_sampling_under_fsdp_is_refused_with_the_fix():
+    overrides = ["trainer.strategy=fsdp", "sampling.static_cache=true", "sampling.compile=true"]
+    with pytest.raises(ConfigError, match="sampling.compile") as info:
+        load_config(overrides, "ar_training")
+    needle = "sampling.compile=false"
+    assert needle in str(info.value)
+
+
 def test_base_model_identity_covers_what_picks_a_fixtures_weights():
     from glm_training.config import ModelConfig
 

@@ -155,3 +155,20 @@ def test_ar_run_with_evaluation_overlap_and_wandb_offline(tmp_path):
             "component"
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("num_prompts", "batch_size", "world_size"), [(3, 2, 2), (10, 4, 2), (5, 8, 4), (7, 1, 3)]
+)
+def test_equal_calls_give_every_rank_the_same_batches_and_score_each_prompt_once(
+    num_prompts, batch_size, world_size
+):
+    from glm_training.evaluate import _rank_work
+
+    work = [_rank_work(num_prompts, batch_size, r, world_size, True) for r in range(world_size)]
+    shapes = {tuple(len(batch) for batch, _ in w) for w in work}
+    assert len(shapes) == 1  # the same number of batches of the same sizes: the same forward calls
+    scored = sorted(i for w in work for batch, n in w for i in batch[:n])
+    assert scored == list(range(num_prompts))
+    plain = [_rank_work(num_prompts, batch_size, r, world_size, False) for r in range(world_size)]
+    assert sorted(i for w in plain for batch, n in w for i in batch[:n]) == scored

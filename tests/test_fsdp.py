@@ -3,7 +3,8 @@
 One launch per trainer runs, in one process group: full fine-tuning and LoRA (each with a KL term, so the
 reference pass runs through the sharded modules), each under ddp and fsdp for 2 steps with a checkpoint
 after each, and an fsdp run resumed from the first checkpoint. Evaluation runs at steps 0 and 2 on 3
-prompts in batches of 1, so the ranks hold 2 and 1 batches: the sharded run must pad (else it hangs).
+prompts in batches of 2, so the ranks hold 2 prompts and 1: the sharded run must pad (the AR model makes
+one generate() call per prompt, each a collective; unpadded, it hangs).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ COMMON = [
     "algo.beta=0.04",
     "eval.every_n_steps=2",
     "eval.num_prompts=3",
-    "eval.batch_size=1",
+    "eval.batch_size=2",
 ]
 MODES = {
     "full": ["model.lora.enabled=false", "optim.lr=1e-3"],
@@ -220,6 +221,8 @@ def test_bf16_policy_with_checkpointing_computes_in_bf16_with_the_first_ratio_ex
     out, reports, _ = dit_runs
     assert [r["dtypes"] for r in reports["lora/fsdp"]] == [["torch.float32"]] * 2
     assert [r["dtypes"] for r in reports["lora/fsdp-bf16"]] == [["torch.bfloat16"]] * 2
+    # The policy casts weights, not inputs: the DiT's timestep stays float32 (in bf16 986.3 would be 988).
+    assert [r["input_dtypes"]["timestep"] for r in reports["lora/fsdp-bf16"]] == [["torch.float32"]] * 2
     first = _metrics(out / "lora" / "fsdp-bf16")[0]
     assert first["ratio_mean"] == 1.0 and first["approx_kl"] == 0.0 and first["kl"] == 0.0
     # The sharded master weights stay fp32 and train.

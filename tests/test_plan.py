@@ -108,8 +108,13 @@ def test_fsdp_reference_offload_and_bf16_gathers_change_their_terms():
     assert tuned["FSDP gathered units"] == pytest.approx(plain["FSDP gathered units"] / 2)  # bf16, not fp32
 
 
-def test_fsdp_rollout_gather_is_a_transient_of_the_whole_component():
-    full = ["model.lora.enabled=false", "trainer.mixed_precision=bf16"]
+@pytest.mark.parametrize("evaluates", [False, True])
+def test_fsdp_sampling_gather_is_a_transient_of_the_whole_component(evaluates):
+    full = [
+        "model.lora.enabled=false",
+        "trainer.mixed_precision=bf16",
+        f"eval.every_n_steps={int(evaluates)}",
+    ]
     on, off = (
         build_plan(
             _cfg("model=glm_image", overrides=[*full, f"trainer.fsdp_gather_for_rollout={flag}"]),
@@ -119,9 +124,11 @@ def test_fsdp_rollout_gather_is_a_transient_of_the_whole_component():
         for flag in ("true", "false")
     )
     dit = sum(p.numel() for p in meta_components(_cfg("model=glm_image").model)["transformer"].parameters())
-    assert on.rollout.name.startswith("FSDP rollout gather")
-    assert on.rollout.bytes == pytest.approx(dit * 2 - _terms(on)["FSDP gathered units"])
+    gather, vae = dit * 2 - _terms(on)["FSDP gathered units"], off.rollout.bytes
+    assert on.rollout.name.startswith("FSDP sampling gather")
     assert off.rollout.name.startswith("rollout VAE decode")
+    # A rollout decodes after the gathered weights are freed; evaluation holds them through its decode.
+    assert on.rollout.bytes == pytest.approx(gather + vae if evaluates else max(gather, vae))
     assert on.peak > off.peak
 
 

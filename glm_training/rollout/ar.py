@@ -466,6 +466,9 @@ def teacher_forced_log_probs(model: nn.Module, samples: ARSamples, params: Sampl
         **{key: value.to(device) for key, value in samples.extra.items()},
     )
     logits_btv = outputs.logits
+    # Where the logits are: a module whose weights live in host memory (FSDP's CPU offload) computes
+    # on the accelerator.
+    device = logits_btv.device
     targets_bt = samples.input_ids[:, first : last + 1].to(device)
     log_probs_btv = process_logits(logits_btv, params, keep_ids_bt=targets_bt)
     log_probs_bt = log_probs_btv.gather(-1, targets_bt[..., None]).squeeze(-1)

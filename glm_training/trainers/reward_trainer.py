@@ -520,7 +520,7 @@ class RewardTrainer:
         """Context of a rollout or an evaluation: under FSDP the trained component gathered once for it
         (`trainer.fsdp_gather_for_rollout`, `sharding.gathered`); otherwise nothing to do."""
         if self.sharded and self.cfg.trainer.fsdp_gather_for_rollout:
-            return sharding.gathered(self.trainable)
+            return sharding.gathered(self.trainable, self.component)
         return contextlib.nullcontext()
 
     def no_sync(self, last: bool):
@@ -728,6 +728,9 @@ class RewardTrainer:
         with (
             self._eval_weights(),
             self.sampling_weights(),
+            # Sharded weights compute in the policy's dtype (bf16 under mixed precision), so evaluation
+            # runs under the same autocast as training; unsharded it runs in the weights' dtype.
+            self.policy_precision() if self.sharded else contextlib.nullcontext(),
             torch.random.fork_rng(devices=self._rng_devices()),
         ):
             result, images = evaluate_prompts(

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from accelerate.state import AcceleratorState
 from transformers.distributed.fsdp import is_fsdp_managed_module
 
@@ -49,13 +50,24 @@ def main() -> None:
         hook = unit.register_forward_pre_hook(
             lambda module, args, seen=seen: seen.update(str(p.dtype) for p in module.parameters())
         )
+        # The dtype of each floating keyword input the whole component receives (after FSDP2's own hook).
+        inputs: dict[str, set] = {}
+
+        def record(module, args, kwargs, inputs=inputs):
+            for key, value in kwargs.items():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    inputs.setdefault(key, set()).add(str(value.dtype))
+
+        input_hook = trainer.trainable.register_forward_pre_hook(record, with_kwargs=True)
         trainer.train()
         hook.remove()
+        input_hook.remove()
         report[name] = {
             "sharded": trainer.sharded,
             "local": local,
             "total": total,
             "dtypes": sorted(seen),
+            "input_dtypes": {key: sorted(values) for key, values in inputs.items()},
             "synced_generation": is_fsdp_managed_module(trainer.trainable),
         }
     rank = dist.rank_info().rank
