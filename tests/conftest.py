@@ -86,3 +86,22 @@ def torchrun(
         *args,
     ]
     return run_cli(cmd, timeout=timeout)
+
+
+def assert_resumed_run_matches(full: Path, part: Path, step: int) -> list[tuple[dict, dict]]:
+    """A run resumed from a checkpoint ends at `step` with the uninterrupted run's weights, bit for bit, and
+    the same rewards and losses at every step; returns the (uninterrupted, resumed) metrics rows."""
+    from safetensors.torch import load_file
+
+    from glm_training.metrics import read_metrics
+
+    last = f"step-{step:06d}"
+    a, b = (load_file(str(run / "checkpoints" / last / "trainable.safetensors")) for run in (full, part))
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in rows_part] == list(range(1, step + 1))
+    for x, y in zip(rows_full, rows_part):
+        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == y["loss"]
+    return list(zip(rows_full, rows_part))

@@ -20,6 +20,7 @@ from conftest import AR_SMALL, DIT_SMALL, REPO, torchrun
 from safetensors.torch import load_file
 
 from glm_training.export import main as export_main
+from glm_training.metrics import read_metrics
 
 AR = [*AR_SMALL, "algo.micro_batch_size=1", "algo.dynamic_sampling=false"]
 # 3 samples a rank in micro-batches of 1: gradients accumulate over 3 backward passes per optimizer step.
@@ -126,7 +127,12 @@ def _checkpoint(run: Path, step: int) -> Path:
 
 
 def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run / "metrics.jsonl")
+
+
+def _timeless_metrics(run: Path) -> list[dict]:
+    """The run's metrics without the wall-clock step times, which differ between identical runs."""
+    return [{k: v for k, v in row.items() if k != "step_time_s"} for row in _metrics(run)]
 
 
 def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -193,11 +199,7 @@ def test_fsdp_resume_is_bit_exact(runs, mode):
     for name, state in opt_a["state"].items():
         for key, value in state.items():
             assert torch.equal(value, opt_b["state"][name][key]), (name, key)
-    drop = ("step_time_s",)
-    last_a, last_b = (
-        {k: v for k, v in _metrics(r)[-1].items() if k not in drop} for r in (straight, resumed)
-    )
-    assert last_a == last_b
+    assert _timeless_metrics(straight)[-1] == _timeless_metrics(resumed)[-1]
     state = json.loads((_checkpoint(straight, 2) / "trainer_state.json").read_text())
     assert state["sharded"] is True
 
@@ -232,11 +234,7 @@ def test_bf16_policy_with_checkpointing_computes_in_bf16_with_the_first_ratio_ex
 
 def test_reference_offload_and_per_unit_sampling_give_the_same_run(dit_runs):
     out, _, _ = dit_runs
-    drop = ("step_time_s",)
-    on_device, offloaded = (
-        [{k: v for k, v in r.items() if k not in drop} for r in _metrics(out / "full" / name)]
-        for name in ("fsdp", "fsdp-offload")
-    )
+    on_device, offloaded = (_timeless_metrics(out / "full" / name) for name in ("fsdp", "fsdp-offload"))
     assert offloaded == on_device and on_device[-1]["kl"] > 0
 
 
@@ -245,11 +243,7 @@ def test_ar_generation_runs_in_lockstep_and_per_unit_sampling_gives_the_same_run
     # transformers' generate() sees an FSDP-managed model: synced_gpus, no rank stops stepping early.
     assert [r["synced_generation"] for r in reports["lora/fsdp"]] == [True, True]
     assert [r["synced_generation"] for r in reports["lora/ddp"]] == [False, False]
-    drop = ("step_time_s",)
-    gathered, per_unit = (
-        [{k: v for k, v in r.items() if k not in drop} for r in _metrics(out / "lora" / name)]
-        for name in ("fsdp", "fsdp-per-unit")
-    )
+    gathered, per_unit = (_timeless_metrics(out / "lora" / name) for name in ("fsdp", "fsdp-per-unit"))
     assert per_unit == gathered
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DIT_SMALL, PYTHON, REPO, run_cli, torchrun
+from conftest import DIT_SMALL, PYTHON, REPO, assert_resumed_run_matches, run_cli, torchrun
 from safetensors.torch import load_file
 
 from glm_training.cli import run
@@ -153,13 +153,7 @@ def test_resume_with_a_cache_is_bit_exact(tmp_path, prompt_file, cache_dir):
     assert run(DiTTrainer, "t2i_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={part}"]) == 0
     resume = [*args, "trainer.num_steps=4", f"trainer.output_dir={part}", "trainer.resume=latest"]
     assert run(DiTTrainer, "t2i_training", resume) == 0
-    a, b = _weights(full, 4), _weights(part, 4)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
-    assert [r["step"] for r in rows_part] == [1, 2, 3, 4]
-    for x, y in zip(rows_full, rows_part):
-        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == y["loss"]
+    assert_resumed_run_matches(full, part, 4)
     # The cached evaluation ran (before training and every 2 steps) on the held-out prompts.
     assert sorted(p.name for p in (full / "eval").glob("*.json")) == [
         "000000.json",
