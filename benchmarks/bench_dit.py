@@ -102,17 +102,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Machine, timing and memory helpers
 
 
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")  # environment caps on the CPU code paths
+
+
 def machine_info(device: torch.device) -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """The machine a figure was taken on: CPU model and the flags that decide its speed, threads, versions."""
+    from glm_training import environment
+
+    flags = environment.cpu_flags()
     info = {
-        "cpu": cpu,
+        "cpu": environment.cpu_model(),
+        # The extensions that set CPU speed; without the bf16 ones a bf16 matmul is hundreds of times slower.
+        "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags],
+        "cpu_native_bf16": environment.cpu_has_native_bf16(),
+        "isa_caps": {
+            k: v for k, v in os.environ.items() if k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+        },
         "cpu_cores": os.cpu_count(),
         "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),

@@ -85,7 +85,7 @@ def ar_loss(ar, inputs):
 
 
 def _lora(module, component):
-    from glm_training.models.wrapper import add_lora_adapters
+    from glm_training.models.lora import add_lora_adapters
 
     cfg = load_config(
         config="ar_training" if component == "ar" else "t2i_training", overrides=["model=glm_image_shape"]

@@ -24,7 +24,8 @@ LoRA formats:
 * `separate`: the base weights are saved untouched and each component's adapters go to
   `<output>/lora/<component>/`, in the format its library loads: the DiT's through diffusers'
   `save_lora_adapter` (`pytorch_lora_weights.safetensors`, LoRA config in the file's metadata), the AR model's
-  through transformers' adapter `save_pretrained` (`adapter_model.safetensors` + `adapter_config.json`).
+  in peft's adapter format (`adapter_model.safetensors` + `adapter_config.json`, as transformers' adapter
+  `save_pretrained` writes it).
   Load them with::
 
       from diffusers import GlmImagePipeline
@@ -70,6 +71,7 @@ from glm_training.checkpoint import (
     list_checkpoints,
     read_checkpoint_state,
 )
+from glm_training.models.lora import add_lora_adapters, merge_lora_adapters, save_lora_adapters
 from glm_training.models.wrapper import TRAINABLE_COMPONENTS
 
 if TYPE_CHECKING:
@@ -269,8 +271,6 @@ def load_trained_weights(module: nn.Module, info: CheckpointInfo, *, use_ema: bo
     """
     from safetensors.torch import load_file
 
-    from glm_training.models.wrapper import add_lora_adapters
-
     if info.is_lora:
         add_lora_adapters(module, info.model.lora)
     state = load_file(str(info.path / WEIGHTS_FILE))
@@ -308,47 +308,6 @@ def _ema_state(info: CheckpointInfo, module: nn.Module, trained: dict[str, torch
             f"{WEIGHTS_FILE}; the two files come from different runs."
         )
     return dict(zip(names, shadow))
-
-
-def _tuner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [(name, m) for name, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
-
-
-def merge_lora_adapters(module: nn.Module, *, merge: bool = True) -> None:
-    """peft's `merge_and_unload` (or `unload` with `merge=False`) for adapters injected in place.
-
-    `add_adapter` injects peft LoRA layers into a diffusers or transformers model without a `PeftModel`
-    around it, so there is no `merge_and_unload` to call: as peft does, each layer merges itself
-    (`merge(safe_merge=True)`, which also refuses NaNs) and is then replaced by its base layer. The model's
-    adapter bookkeeping is cleared too, or transformers' `save_pretrained` would still save adapters only.
-    """
-    layers = _tuner_layers(module)
-    assert layers, "merge_lora_adapters called on a module without LoRA layers"
-    for name, layer in layers:
-        if merge:
-            layer.merge(safe_merge=True)
-        parent_name, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent_name), child, layer.get_base_layer())
-    if "peft_config" in vars(module):
-        del module.peft_config
-    module._hf_peft_config_loaded = False
-
-
-def save_lora_adapters(module: nn.Module, folder: Path) -> None:
-    """Save the component's peft adapter "default" in the format its own library loads back.
-
-    diffusers models: `save_lora_adapter` (read back by `load_lora_adapter(folder, weight_name=...,
-    prefix=None)`, see the module docstring); transformers models: adapter `save_pretrained` (read back by
-    `load_adapter`).
-    """
-    from diffusers import ModelMixin
-
-    if isinstance(module, ModelMixin):
-        module.save_lora_adapter(folder, adapter_name="default", safe_serialization=True)
-    else:
-        module.save_pretrained(folder, safe_serialization=True)
 
 
 def export(

@@ -47,6 +47,21 @@ AR_SMALL = [
 ]
 
 
+def pytest_report_header(config) -> list[str]:
+    """The machine and the packages the run is on: the CPU (bf16 in hardware or not), and the lock check."""
+    from glm_training import environment
+
+    bf16 = (
+        "native bf16 " + str(environment.cpu_bf16_flags())
+        if environment.cpu_has_native_bf16()
+        else "no native bf16"
+    )
+    return [
+        f"cpu: {environment.cpu_model()}, {os.cpu_count()} cores, {bf16}, torch {torch.__version__}",
+        f"packages: {environment.lock_summary()}",
+    ]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory) -> Path:
     """A session-wide cache for the tiny model, shared by in-process code and by subprocesses (env var)."""

@@ -9,7 +9,8 @@ import torch
 from diffusers import GlmImagePipeline
 
 from glm_training.config import load_config
-from glm_training.models.wrapper import add_lora_adapters, enable_gradient_checkpointing
+from glm_training.models.lora import add_lora_adapters
+from glm_training.models.wrapper import enable_gradient_checkpointing
 from glm_training.plan import (
     MemoryPlanError,
     build_plan,

@@ -33,9 +33,9 @@ from glm_training.export import (
     CheckpointInfo,
     inspect_checkpoints,
     load_trained_weights,
-    merge_lora_adapters,
     read_checkpoint,
 )
+from glm_training.models.lora import merge_lora_adapters
 from glm_training.models.wrapper import TRAINABLE_COMPONENTS, model_path
 
 logger = logging.getLogger(__name__)

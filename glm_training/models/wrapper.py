@@ -193,30 +193,6 @@ def load_for_training(
     return wrapper, plan
 
 
-def add_lora_adapters(module: nn.Module, lora: Any) -> None:
-    """Inject LoRA adapters (peft, in place, adapter "default") as `model.lora` describes; only they train.
-
-    The same call builds the adapters for training and, in `glm_training.export`, to load a checkpoint's
-    adapter weights back, so the parameter names always match `trainable.safetensors`.
-    """
-    from peft import LoraConfig
-
-    module.requires_grad_(False)
-    module.add_adapter(
-        LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules),
-            init_lora_weights=True,
-        )
-    )
-    # Adapters train in float32 even when the base weights are bf16 (the usual LoRA recipe).
-    for p in module.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-
-
 def enable_gradient_checkpointing(module: nn.Module) -> int:
     """Recompute each transformer block / decoder layer in the backward pass; returns how many layers.
 

@@ -44,6 +44,7 @@ from glm_training.checkpoint import (
 )
 from glm_training.config import ConfigError, config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
+from glm_training.environment import log_environment
 from glm_training.evaluate import (
     eval_sampling,
     eval_scalars,
@@ -57,10 +58,10 @@ from glm_training.image_grid import caption
 from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
 from glm_training.models.frozen_weights import apply_weights_source, frozen_weight_sources
+from glm_training.models.lora import adapters_disabled, add_lora_adapters
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
     GLMImageWrapper,
-    add_lora_adapters,
     enable_gradient_checkpointing,
     load_for_training,
     resolve_model_path,
@@ -161,6 +162,7 @@ class RewardTrainer:
         self.rank = self.accelerator.process_index
         self.world_size = self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
+        log_environment(cfg, self.accelerator.device)  # bf16 on a CPU without it; packages off the lock
         self.output_dir = self._resolve_output_dir()
         self.metrics = MetricsWriter(self.output_dir, self.is_main)
         if self.is_main:
@@ -543,12 +545,8 @@ class RewardTrainer:
         if self.reference is not None:
             yield self.reference
             return
-        module = self.trainable
-        module.disable_adapters()
-        try:
+        with adapters_disabled(self.trainable) as module:
             yield module
-        finally:
-            module.enable_adapters()
 
     def _build_ema(self):
         if not getattr(self.cfg.algo, "ema", False):

@@ -1,0 +1,117 @@
+"""LoRA through peft's own API (`glm_training.models.lora`), on both halves of the tiny GLM-Image.
+
+diffusers' and transformers' adapter methods check the installed peft's version on every call, and a new
+release of either can refuse today's peft (transformers 5.24 asked for a peft 0.22 that did not exist yet).
+These tests make both libraries' checks refuse everything, then add, train, disable, merge and save adapters
+on each half: the project's LoRA path must not go through them.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import GlmImagePipeline
+from safetensors.torch import load_file
+
+from glm_training.models.lora import (
+    PEFT_WEIGHTS_FILE,
+    adapters_disabled,
+    add_lora_adapters,
+    merge_lora_adapters,
+    save_lora_adapters,
+    tuner_layers,
+)
+
+LORA = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["to_q", "to_v", "q_proj", "v_proj"])
+
+
+def _refuse(*args, **kwargs):
+    raise ValueError("the integration layer's peft version check was called")
+
+
+@pytest.fixture
+def gates_refuse(monkeypatch):
+    import diffusers.loaders.peft
+    import transformers.integrations.peft
+
+    monkeypatch.setattr(transformers.integrations.peft, "check_peft_version", _refuse)
+    monkeypatch.setattr(diffusers.loaders.peft, "check_peft_version", _refuse)
+
+
+def test_the_refusing_gates_do_refuse_the_libraries_own_methods(tiny_model_dir, gates_refuse):
+    from peft import LoraConfig
+
+    pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    for module in (pipe.transformer, pipe.vision_language_encoder):
+        with pytest.raises(ValueError, match="peft version check was called"):
+            module.add_adapter(LoraConfig(r=4, target_modules=LORA.target_modules))
+
+
+def _dit_call(module):
+    g = torch.Generator().manual_seed(0)
+    cfg = module.config
+    latents = torch.randn(1, cfg.in_channels, 8, 8, generator=g)
+    hidden = torch.randn(1, 4, cfg.text_embed_dim, generator=g)
+    prior = torch.randint(0, cfg.prior_vq_quantizer_codebook_size, (1, 16), generator=g)
+    return lambda: module(
+        hidden_states=latents,
+        encoder_hidden_states=hidden,
+        prior_token_id=prior,
+        prior_token_drop=torch.zeros(1, dtype=torch.bool),
+        timestep=torch.tensor([500.0]),
+        target_size=torch.tensor([[64.0, 64.0]]),
+        crop_coords=torch.zeros(1, 2),
+        return_dict=False,
+    )[0]
+
+
+def _ar_call(module):
+    ids = torch.arange(1, 9).unsqueeze(0)
+    return lambda: module(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("half", ["transformer", "vision_language_encoder"])
+def test_adapters_train_disable_merge_and_save_without_the_integration_layer(
+    tiny_model_dir, tmp_path, gates_refuse, half
+):
+    module = getattr(GlmImagePipeline.from_pretrained(tiny_model_dir), half).eval()
+    call = (_dit_call if half == "transformer" else _ar_call)(module)
+    with torch.no_grad():
+        base = call()
+    add_lora_adapters(module, LORA)
+    trained = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert all(p.dtype == torch.float32 for p in trained.values())
+    with torch.no_grad():
+        assert torch.equal(call(), base)  # lora_B starts at zero
+        g = torch.Generator().manual_seed(1)
+        for p in trained.values():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        adapted = call()
+        assert not torch.allclose(adapted, base)
+        with adapters_disabled(module) as reference:
+            assert reference is module and torch.equal(call(), base)
+        assert torch.equal(call(), adapted)  # switched back on
+
+    save_lora_adapters(module, tmp_path / "adapter")
+    if half == "vision_language_encoder":
+        saved = load_file(str(tmp_path / "adapter" / PEFT_WEIGHTS_FILE))
+        assert len(saved) == len(trained) and all(k.startswith("base_model.model.") for k in saved)
+        config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["peft_type"] == "LORA"
+    else:
+        assert (tmp_path / "adapter" / "pytorch_lora_weights.safetensors").is_file()
+
+    merge_lora_adapters(module)
+    assert tuner_layers(module) == [] and "peft_config" not in vars(module)
+    with torch.no_grad():
+        torch.testing.assert_close(call(), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_disabling_a_module_without_adapters_is_an_error(tiny_model_dir):
+    module = GlmImagePipeline.from_pretrained(tiny_model_dir).transformer
+    with pytest.raises(ValueError, match="no LoRA layers"), adapters_disabled(module):
+        pass
