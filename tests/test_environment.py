@@ -78,7 +78,7 @@ def test_the_check_command_exits_1_and_names_the_drift(tmp_path):
 
 def test_the_repository_lock_satisfies_the_project_ranges():
     # Every direct dependency is locked, at a version pyproject.toml's range admits (so `pip install -c` of
-    # the lock and `pip install -e .` can never disagree).
+    # the lock and `pip install -e .` can never disagree), and the transformers bound keeps 5.24 out.
     pins = environment.read_lock(environment.LOCK_FILE)
     requires = [Requirement(r) for r in metadata.requires(environment.PROJECT) or []]
     assert requires, "the project is not installed (pip install -e .)"
@@ -86,6 +86,8 @@ def test_the_repository_lock_satisfies_the_project_ranges():
         name = environment.canonical(req.name)
         assert name in pins, f"{req.name} is a dependency but not in requirements.lock"
         assert req.specifier.contains(pins[name], prereleases=True), (req, pins[name])
+    transformers = next(r for r in requires if r.name == "transformers")
+    assert not transformers.specifier.contains("5.24.0")
 
 
 def test_setup_installs_from_the_lock():
