@@ -19,11 +19,16 @@ stamp=.venv/.glm_training_installed
 
 # torch first and pinned: on these machines `pip install torch==X` takes the local CPU wheel, while an
 # unpinned torch would resolve to the newest CUDA build (several GB). A torch already installed is kept.
+# pip, without its warnings about index folders this machine's pip.conf names but lacks (one per package).
+pip_quiet() {
+  "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 torch_pin() { { grep -sE '^torch==' "$LOCK" || echo torch==2.13.0; } | head -n 1; }
 
 install_torch() {  # $1: the venv's python
   if ! "$1" -c "import torch" >/dev/null 2>&1; then
-    "$1" -m pip install -q "$(torch_pin)"
+    pip_quiet "$1" -m pip install -q "$(torch_pin)"
   fi
 }
 
@@ -34,7 +39,7 @@ relock() {
   echo "relock: resolving the newest allowed releases in a fresh venv ($tmp)"
   "$PY" -m venv "$tmp/venv"
   install_torch "$tmp/venv/bin/python"
-  "$tmp/venv/bin/python" -m pip install -q -e ".[test]"
+  pip_quiet "$tmp/venv/bin/python" -m pip install -q -e ".[test]"
   {
     echo "# The tested set: every package .venv holds, transitive ones included, as pip constraints."
     echo "# Written by ./setup.sh --relock on $(date -u +%Y-%m-%d) with $("$tmp/venv/bin/python" -V) on $(uname -sm);"
@@ -60,7 +65,7 @@ fi
 install_torch "$VPY"
 
 sync_lock() {
-  "$VPY" -m pip install -q -c "$LOCK" -e ".[test]"
+  pip_quiet "$VPY" -m pip install -q -c "$LOCK" -e ".[test]"
   touch "$stamp"
 }
 

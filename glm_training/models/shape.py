@@ -57,7 +57,7 @@ from transformers import (
 
 from glm_training.models import tiny
 
-SHAPE_MODEL_VERSION: int = 2
+SHAPE_MODEL_VERSION: int = 3
 """Bump whenever a change here alters the saved folder; it is part of the cache directory name."""
 
 SHAPE_MODEL_NAME = "glm_image_shape"
@@ -240,6 +240,13 @@ def build_shape_pipeline(
         vae = AutoencoderKL(**VAE_CONFIG)
         torch.default_generator.manual_seed(seed * 1000 + 4)
         transformer = GlmImageTransformer2DModel(**dit_config(num_dit_layers))
+    # The trained model writes only codebook tokens inside an image; random weights would also write the
+    # vision vocabulary's other entries (image start / end, ...: ids >= 16384), which are no DiT prior token
+    # (an IndexError in its prior embedding) and, sampled or not, depend on the CPU's rounding. Their output
+    # rows are zero, so their logit is exactly 0 while the codebook's spread around it: under the sampling's
+    # top-k 50 none of them is ever drawn.
+    with torch.no_grad():
+        ar.lm_head.weight[NUM_VQ_CODES:].zero_()
     gen = ar.generation_config
     gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = (
         PAD_TOKEN_ID,
