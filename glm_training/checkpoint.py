@@ -25,11 +25,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from glm_training import sharding
 from glm_training.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -38,6 +36,11 @@ CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 HASHES_FILE = "hashes.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "lr_scheduler.pt"
+EMA_FILE = "ema.pt"
+CONFIG_FILE = "config.yaml"
+RNG_FILE = "rng_rank{rank}.pt"  # one per rank
 
 
 class CheckpointError(UserError, ValueError):
@@ -193,51 +196,48 @@ def save_checkpoint(
     rank: int,
     is_main: bool,
     barrier,
+    parallel: Any,
     extra_files: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state).
 
-    A module sharded by FSDP2 is gathered first (a collective: see `sharding.py`), so the files are the same
-    as an unsharded run's, except that the optimizer state is keyed by parameter name. `extra_files`
-    ({file name: object for `torch.save`}) is a trainer's own state (e.g. DiffusionNFT's old model), written
-    inside the same atomic folder.
+    `parallel` (`glm_training.parallel`) gathers the weights and optimizer state to rank 0: under FSDP a
+    collective, so the files are the same as an unsharded run's, except that the optimizer state is keyed by
+    parameter name. `extra_files` ({file name: object for `torch.save`}) is a trainer's own state (e.g.
+    DiffusionNFT's old model), written inside the same atomic folder.
     """
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    sharded = sharding.is_sharded(module)
-    weights, optimizer_state = {}, {}
-    # Before the first optimizer step there is no state to gather (and torch's gathering would first
-    # initialise it with a step of its own, which would shift AdamW's bias correction).
-    stepped = bool(optimizer.state)
-    if sharded:
-        weights = sharding.gathered_trainable_state(module)
-        if stepped:
-            optimizer_state = sharding.gathered_optimizer_state(module, optimizer)
-    elif is_main:
-        weights, optimizer_state = trainable_state_dict(module), optimizer.state_dict()
+    stepped = bool(optimizer.state)  # before the first optimizer step there is no state
+    weights, optimizer_state = parallel.gather_state(module, optimizer, is_main, stepped)
     if is_main:
         if final.exists():
             raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}.")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
     if is_main:
         save_file(weights, str(tmp / WEIGHTS_FILE))
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if ema_state is not None:
-            torch.save(ema_state, tmp / "ema.pt")
+            torch.save(ema_state, tmp / EMA_FILE)
         for name, state in (extra_files or {}).items():
             torch.save(state, tmp / name)
-        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
     barrier()
     if is_main:
         write_hashes(tmp)
         # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
         (tmp / STATE_FILE).write_text(
             json.dumps(
-                {"step": step, "component": component, "sharded": sharded, "optimizer_stepped": stepped}
+                {
+                    "step": step,
+                    "component": component,
+                    "sharded": parallel.sharded,
+                    "optimizer_stepped": stepped,
+                }
             ),
             encoding="utf-8",
         )
@@ -262,15 +262,16 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
     rank: int,
+    parallel: Any,
 ) -> tuple[int, dict | None]:
     """Restore everything `save_checkpoint` wrote; returns (step, EMA state or None).
 
-    Into a module sharded by FSDP2 (a collective): rank 0 reads the weights and optimizer state and they are
-    scattered to every rank's shards; the names are checked on every rank first, so all refuse together.
+    `parallel` (`glm_training.parallel`) loads the weights and optimizer state: under FSDP a collective,
+    rank 0 reads them and they are scattered to every rank's shards.
     """
     state = read_checkpoint_state(path)
     step = int(state["step"])
-    sharded = sharding.is_sharded(module)
+    sharded = parallel.sharded
     if bool(state.get("sharded", False)) != sharded:
         written = "fsdp" if state.get("sharded") else "ddp"
         now = "sharded" if sharded else "unsharded (ddp, or fsdp in one process)"
@@ -280,25 +281,11 @@ def load_checkpoint(
             f"Resume with trainer.strategy={written}{' on 2 or more ranks' if written == 'fsdp' else ''}, or "
             f"start a new run from its weights (model.dit_weights / model.ar_weights={path})."
         )
-    optimizer_file = path / "optimizer.pt"
-    if sharded:
-        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-            check_trainable_names(module, set(f.keys()))
-        main = rank == 0
-        weights = load_file(str(path / WEIGHTS_FILE)) if main else {}
-        sharding.load_gathered_trainable_state(module, weights)
-        if state.get("optimizer_stepped", True):  # every rank reads the flag: all load, or none
-            optimizer_state = (
-                torch.load(optimizer_file, map_location="cpu", weights_only=True) if main else {}
-            )
-            sharding.load_gathered_optimizer_state(module, optimizer, optimizer_state)
-    else:
-        load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
-        optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
-    lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=True))
-    rng_file = path / f"rng_rank{rank}.pt"
+    parallel.load_state(module, optimizer, path, rank, bool(state.get("optimizer_stepped", True)))
+    lr_scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    rng_file = path / RNG_FILE.format(rank=rank)
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
-    ema_file = path / "ema.pt"
+    ema_file = path / EMA_FILE
     ema = torch.load(ema_file, map_location="cpu", weights_only=True) if ema_file.is_file() else None
     return step, ema

@@ -86,7 +86,7 @@ def detect_distributed(env: Mapping[str, str] | None = None, strategy: str = "dd
     for var in ("RANK", "LOCAL_RANK"):
         if var in env:
             return True, f"{var}={env[var]} is set"
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or strategy == "deepspeed":
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):  # an accelerate config's engine
         return True, "DeepSpeed is enabled"
     if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or strategy == "fsdp":
         return True, "FSDP is enabled"

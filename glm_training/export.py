@@ -65,6 +65,8 @@ from torch import nn
 
 from glm_training.checkpoint import (
     CHECKPOINT_PREFIX,
+    CONFIG_FILE,
+    EMA_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
     CheckpointError,
@@ -79,8 +81,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("glm_training.export")  # not "__main__" under `python -m`
 
-CONFIG_FILE = "config.yaml"
-EMA_FILE = "ema.pt"
 EXPORT_INFO_FILE = "export_info.json"
 LORA_DIR = "lora"
 LORA_FORMATS = ("merged", "separate")

@@ -155,7 +155,7 @@ def test_first_ratio_after_a_rollout_is_exactly_one(tmp_path, overrides):
             assert torch.equal(new.log_prob.detach(), traj.log_probs_bs[:, j])
     stats = trainer._update(batch, 0)
     assert stats["num_optimizer_steps"] == 2  # Flow-GRPO's default: two optimizer steps per rollout
-    first = trainer.mini_batch_stats[0]  # before any optimizer step: on-policy
+    first = trainer.last_update.mini_batches[0]  # before any optimizer step: on-policy
     assert first["approx_kl"] == 0.0 and first["ratio_mean"] == 1.0 and first["clip_frac"] == 0.0
     assert first["kl"] == 0.0  # policy == reference before the first optimizer step
     assert stats["grad_norm"] > 0
@@ -165,7 +165,7 @@ def test_the_second_optimizer_step_is_off_policy_and_the_clip_acts(tmp_path):
     trainer = _trainer(tmp_path, "algo.num_mini_batches=2")  # Flow-GRPO's (the tiny YAML takes 1)
     batch = trainer._collect(0)
     stats = trainer._update(batch, 0)
-    first, second = trainer.mini_batch_stats
+    first, second = trainer.last_update.mini_batches
     assert first["clip_frac"] == 0.0 and first["ratio_mean"] == 1.0
     # After one step at lr 1e-2 the recorded steps' ratios move by far more than clip_range 1e-4.
     assert second["clip_frac"] > 0 and second["approx_kl"] > 0

@@ -21,8 +21,10 @@ takes an equal slice of the pool, moved to its own device on arrival (seed 003).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,7 +51,7 @@ from glm_training.rollout.ar import (
     teacher_forced_log_probs,
 )
 from glm_training.rollout.dit import prompt_seed, render_with_pipeline, seeded_latents
-from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
+from glm_training.trainers.reward_trainer import Batch, RewardTrainer
 
 logger = logging.getLogger("glm_training")
 
@@ -117,7 +119,7 @@ class ARTrainer(RewardTrainer):
     ) -> tuple[ARRollout, list]:
         s = self.cfg.sampling
         texts = [group_prompts[g].text for g in group_ids]
-        with self.policy_precision(), self.sampling_weights():
+        with self.policy_precision(), self.parallel.sampling(self.trainable):
             samples = sample_image_tokens(
                 self.wrapper.pipeline,
                 texts,
@@ -303,31 +305,43 @@ class ARTrainer(RewardTrainer):
             (o.cpu() - mb.sampling_log_probs).abs()[mb.completion_mask].max().item()
             for o, mb in zip(old, micro)
         )
-        aggregate = AGGREGATIONS[a.loss_aggregation]
-        policy_loss_fn, ratio_stats_fn = IMPORTANCE_SAMPLING[a.importance_sampling_level]
-        stats, grad_norms = StatMeans(), []
-        for _ in range(a.num_inner_epochs):
-            for mini in split_mini_batches(len(micro), a.num_mini_batches):
-                weights = self._aggregation_weights([micro[m] for m in mini])
-                for pos, m in enumerate(mini):
-                    mb = micro[m]
-                    adv = batch.advantages[offsets[m] : offsets[m + 1]].to(self.device)
-                    mask = mb.completion_mask.to(self.device)
-                    with self.no_sync(pos == len(mini) - 1), self.policy_precision():
-                        new = teacher_forced_log_probs(self.model, mb, params)
-                        per_token = policy_loss_fn(new, old[m], adv, mask, a.epsilon_low, a.epsilon_high)
-                        policy_loss = aggregate(per_token, mask)
-                        kl = aggregate(k3_kl(new, ref[m]), mask) if ref is not None else torch.zeros(())
-                        loss = policy_loss + a.beta * kl
-                        self.accelerator.backward(loss * weights[pos])
-                    diag = ratio_stats_fn(new.detach(), old[m], mask, a.epsilon_low, a.epsilon_high)
-                    stats.add({"loss": loss, "policy_loss": policy_loss, "kl": kl, **diag})
-                grad_norms.append(self.optimizer_step())
-        out = stats.means()
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+
+        def micro_steps(mini: list[int]):
+            weights = self._aggregation_weights([micro[m] for m in mini])
+            for pos, m in enumerate(mini):
+                adv = batch.advantages[offsets[m] : offsets[m + 1]].to(self.device)
+                reference = ref[m] if ref is not None else None
+                yield functools.partial(
+                    self._loss_and_backward, micro[m], old[m], reference, adv, weights[pos]
+                )
+
+        update = self.run_update(len(micro), micro_steps)
+        out = dict(update.means)
+        out["grad_norm"] = update.grad_norm
         out["sampling_logp_max_diff"] = diff
         out["num_samples"] = float(len(records))
         return self.mean_over_ranks(out)
+
+    def _loss_and_backward(
+        self, mb: ARSamples, old: torch.Tensor, ref: torch.Tensor | None, adv: torch.Tensor, weight: float
+    ) -> dict[str, Any]:
+        """Token-level (or GSPO sequence-level) clipped loss of one micro-batch; backward of `weight` x it.
+
+        `weight` is the micro-batch's share of its mini-batch's aggregate (`_aggregation_weights`).
+        """
+        a = self.cfg.algo
+        aggregate = AGGREGATIONS[a.loss_aggregation]
+        policy_loss_fn, ratio_stats_fn = IMPORTANCE_SAMPLING[a.importance_sampling_level]
+        mask = mb.completion_mask.to(self.device)
+        with self.policy_precision():
+            new = teacher_forced_log_probs(self.model, mb, self.sampling_params)
+            per_token = policy_loss_fn(new, old, adv, mask, a.epsilon_low, a.epsilon_high)
+            policy_loss = aggregate(per_token, mask)
+            kl = aggregate(k3_kl(new, ref), mask) if ref is not None else torch.zeros(())
+            loss = policy_loss + a.beta * kl
+            self.accelerator.backward(loss * weight)
+        diag = ratio_stats_fn(new.detach(), old, mask, a.epsilon_low, a.epsilon_high)
+        return {"loss": loss, "policy_loss": policy_loss, "kl": kl, **diag}
 
     def _aggregation_weights(self, micro: list[ARSamples]) -> list[float]:
         """Per-micro-batch weights: the summed micro-batch losses equal the mini-batch's aggregate."""

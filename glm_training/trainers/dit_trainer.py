@@ -15,6 +15,7 @@ Log-probs are means over latent elements (Flow-GRPO's reduction), which is why `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from glm_training.rollout.dit import (
     recompute_step,
     sample_trajectory,
 )
-from glm_training.trainers.reward_trainer import Batch, RewardTrainer, StatMeans, split_mini_batches
+from glm_training.trainers.reward_trainer import Batch, RewardTrainer
 
 # `sampling.sde_window_schedule` -> the window start of a step, from (sampling config, seed, step, lo, hi).
 WINDOW_STARTS = {
@@ -110,7 +111,7 @@ class DiTTrainer(RewardTrainer):
                 dtype,
             )
             latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=self.device)
-            with self.policy_precision(), self.sampling_weights():
+            with self.policy_precision(), self.parallel.sampling(self.trainable):
                 kept, final_latents = self.sample_chunk(
                     latents.to(dtype), cond, timesteps, sigmas, window, generator
                 )
@@ -222,31 +223,30 @@ class DiTTrainer(RewardTrainer):
         sizes = [t.latents_bsc.shape[0] for t in rollout.trajectories]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         keep_n = self._trained_samples(batch.advantages)
-        stats, grad_norms = StatMeans(), []
-        # Per optimizer step (mini-batch) statistics: the first is on-policy, the later ones are not.
-        self.mini_batch_stats: list[dict[str, float]] = []
-        for _ in range(a.num_inner_epochs):
-            for mini in split_mini_batches(len(sizes), a.num_mini_batches):
-                # Normalised by the samples that train (Flow-GRPO averages over the samples it kept).
-                num_kept = sum(int(keep_n[offsets[m] : offsets[m] + sizes[m]].sum()) for m in mini)
-                mini_stats = StatMeans()
-                for pos, m in enumerate(mini):
-                    traj = rollout.trajectories[m]
-                    adv = batch.advantages[offsets[m] : offsets[m] + sizes[m]].to(self.device)
-                    keep = keep_n[offsets[m] : offsets[m] + sizes[m]].to(self.device)
-                    for j in train_steps:
-                        last = pos == len(mini) - 1 and j == train_steps[-1]
-                        with self.no_sync(last):
-                            values = self._loss_and_backward(
-                                traj, j, rollout, adv, keep, max(num_kept, 1), len(train_steps)
-                            )
-                        stats.add(values)
-                        mini_stats.add(values)
-                grad_norms.append(self.optimizer_step())
-                self.mini_batch_stats.append(mini_stats.means())
-        out = stats.means()
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["num_optimizer_steps"] = float(len(grad_norms))
+
+        def micro_steps(mini: list[int]):
+            # Normalised by the samples that train (Flow-GRPO averages over the samples it kept).
+            num_kept = sum(int(keep_n[offsets[m] : offsets[m] + sizes[m]].sum()) for m in mini)
+            for m in mini:
+                traj = rollout.trajectories[m]
+                adv = batch.advantages[offsets[m] : offsets[m] + sizes[m]].to(self.device)
+                keep = keep_n[offsets[m] : offsets[m] + sizes[m]].to(self.device)
+                for j in train_steps:
+                    yield functools.partial(
+                        self._loss_and_backward,
+                        traj,
+                        j,
+                        rollout,
+                        adv,
+                        keep,
+                        max(num_kept, 1),
+                        len(train_steps),
+                    )
+
+        update = self.run_update(len(sizes), micro_steps)
+        out = dict(update.means)
+        out["grad_norm"] = update.grad_norm
+        out["num_optimizer_steps"] = float(update.num_optimizer_steps)
         out["num_train_steps"] = float(len(train_steps))
         out["sde_window_start"] = float(rollout.sde_window[0])
         return self.mean_over_ranks(out)

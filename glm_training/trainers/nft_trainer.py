@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from glm_training.checkpoint import CheckpointError
 from glm_training.rollout.dit import predict_velocity
 from glm_training.rollout.nft import NFTSamples, keep_for_update, sample_ode
 from glm_training.trainers.dit_trainer import DiTRollout, DiTTrainer
-from glm_training.trainers.reward_trainer import Batch, StatMeans, split_mini_batches
+from glm_training.trainers.reward_trainer import Batch
 
 OLD_POLICY_FILE = "nft_old_policy.pt"
 NFT_STATS = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "old_deviation", "r_mean")
@@ -136,29 +137,33 @@ class NFTTrainer(DiTTrainer):
         num_times = a.num_train_times(s.num_steps)
         r_n = optimality_probability(batch.advantages.float(), a.adv_clip_max)
         generator = torch.Generator().manual_seed(self.sample_seed(step) + UPDATE_SEED_OFFSET)
-        stats, grad_norms = StatMeans(NFT_STATS), []
-        for _ in range(a.num_inner_epochs):
-            for mini in split_mini_batches(len(chunks), a.num_mini_batches):
-                num_samples = sum(sizes[m] for m in mini)
-                for pos, m in enumerate(mini):
-                    chunk = chunks[m]
-                    r = r_n[offsets[m] : offsets[m] + sizes[m]].to(self.device)
-                    times_bk = train_time_indices(sizes[m], s.num_steps, num_times, generator)
-                    noise_kb = torch.randn((num_times, *chunk.final_latents.shape), generator=generator)
-                    for j in range(num_times):
-                        last = pos == len(mini) - 1 and j == num_times - 1
-                        with self.no_sync(last):
-                            values = self._loss_and_backward(
-                                chunk, times_bk[:, j], noise_kb[j], r, rollout, num_samples * num_times
-                            )
-                        stats.add(values)
-                grad_norms.append(self.optimizer_step())
+
+        def micro_steps(mini: list[int]):
+            num_samples = sum(sizes[m] for m in mini)
+            for m in mini:
+                chunk = chunks[m]
+                r = r_n[offsets[m] : offsets[m] + sizes[m]].to(self.device)
+                # The update's own generator: drawn in the same order however far ahead the loop reads.
+                times_bk = train_time_indices(sizes[m], s.num_steps, num_times, generator)
+                noise_kb = torch.randn((num_times, *chunk.final_latents.shape), generator=generator)
+                for j in range(num_times):
+                    yield functools.partial(
+                        self._loss_and_backward,
+                        chunk,
+                        times_bk[:, j],
+                        noise_kb[j],
+                        r,
+                        rollout,
+                        num_samples * num_times,
+                    )
+
+        update = self.run_update(len(chunks), micro_steps, NFT_STATS)
         # The optimizer-step count is the scheduler's, which checkpoints restore: the decay resumes exactly.
         decay = old_model_decay(self.lr_scheduler.last_epoch, a.decay_type)
         self.old_policy.update(decay)
-        out = stats.means()
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["num_optimizer_steps"] = float(len(grad_norms))
+        out = dict(update.means)
+        out["grad_norm"] = update.grad_norm
+        out["num_optimizer_steps"] = float(update.num_optimizer_steps)
         out["num_train_times"] = float(num_times)
         out["old_decay"] = decay
         return self.mean_over_ranks(out)

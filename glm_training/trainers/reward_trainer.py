@@ -15,7 +15,8 @@ import dataclasses
 import logging
 import math
 import time
-from abc import abstractmethod
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +27,6 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from glm_training import distributed as dist
-from glm_training import sharding
 from glm_training.algorithms.advantages import (
     batch_std_advantages,
     centered_advantages,
@@ -66,6 +66,7 @@ from glm_training.models.wrapper import (
     load_for_training,
     resolve_model_path,
 )
+from glm_training.parallel import make_parallelism
 from glm_training.plan import log_memory_plan
 from glm_training.preemption import StopSignals
 from glm_training.rewards import RewardSet
@@ -122,7 +123,42 @@ class StatMeans:
         return {key: total / max(self.count, 1) for key, total in self.sums.items()}
 
 
-class RewardTrainer:
+# One backward pass of an optimizer step: computes its loss, calls backward on its share of the mini-batch's
+# loss and returns its statistics (floats or 0-d tensors).
+MicroStep = Callable[[], dict[str, Any]]
+
+
+@dataclass
+class UpdateStats:
+    """What one update (`RewardTrainer.run_update`) measured."""
+
+    means: dict[str, float]  # each statistic's mean over every backward pass of the update
+    mini_batches: list[dict[str, float]]  # the same per optimizer step, in order: the first is on-policy
+    grad_norms: list[float]  # pre-clip gradient norm of each optimizer step
+
+    @property
+    def grad_norm(self) -> float:
+        return sum(self.grad_norms) / len(self.grad_norms)
+
+    @property
+    def num_optimizer_steps(self) -> int:
+        return len(self.grad_norms)
+
+
+def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Each item with whether it is the last one (one item of look-ahead)."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for upcoming in iterator:
+        yield current, False
+        current = upcoming
+    yield current, True
+
+
+class RewardTrainer(ABC):
     """Base trainer. `component` ("dit" or "ar") names the half of GLM-Image that trains."""
 
     component: str = ""
@@ -161,6 +197,7 @@ class RewardTrainer:
         )
         self.rank = self.accelerator.process_index
         self.world_size = self.accelerator.num_processes
+        self.parallel = make_parallelism(cfg.trainer, self.accelerator, self.component)
         self.is_main = self.accelerator.is_main_process
         log_environment(cfg, self.accelerator.device)  # bf16 on a CPU without it; packages off the lock
         self.output_dir = self._resolve_output_dir()
@@ -171,20 +208,18 @@ class RewardTrainer:
         self.memory_plan = log_memory_plan(cfg, self.accelerator)  # on GPUs: stops here if it cannot fit
         self.wrapper = self._build_model()
         self.trainable = self._setup_trainable(self.wrapper.trainable)
-        self.sharded = self._shard_if_asked()
+        # In place, after LoRA and gradient checkpointing are set up and before the optimizer is built over
+        # the shards (FSDP); nothing under DDP.
+        self.parallel.shard(self.trainable, self.reference)
         logger.info(
             "[load] %s", describe_module(f"{self.wrapper.trainable_name} (trainable)", self.trainable)
         )
         self.wrapper.trainable = self.trainable
         self.ema = self._build_ema()
         self.optimizer, self.lr_scheduler = self._build_optimizer()  # over the shards, when sharded
-        if self.sharded:
-            self.model = self.trainable  # FSDP2 shards in place: the module is its own wrapper
-        else:
-            # Placement is already done (`_build_model`); accelerate only wraps (DDP).
-            self.model, self.optimizer = self.accelerator.prepare(
-                self.trainable, self.optimizer, device_placement=[False, False]
-            )
+        # `trainable` is the module (rollouts, evaluation, the KL reference call it); `model` is what the
+        # strategy wrapped (the training forward passes call it): DDP's wrapper, or the sharded module itself.
+        self.model, self.optimizer = self.parallel.wrap(self.trainable, self.optimizer)
         self.start_step = self._maybe_resume()
         self.wrapper.pipeline.set_progress_bar_config(disable=True)
         self.tracker = build_tracker(
@@ -333,7 +368,39 @@ class RewardTrainer:
 
     @abstractmethod
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
-        """Policy-gradient update(s) on the batch; return the step's loss statistics."""
+        """Policy-gradient update(s) on the batch (through `run_update`); return the step's statistics."""
+
+    last_update: UpdateStats | None = None  # the latest `run_update`'s statistics, per optimizer step too
+
+    def run_update(
+        self,
+        num_micro_batches: int,
+        micro_steps: Callable[[list[int]], Iterable[MicroStep]],
+        stat_keys: tuple[str, ...] = LOSS_STATS,
+    ) -> UpdateStats:
+        """The update loop every trainer shares.
+
+        `algo.num_inner_epochs` passes over the rollout's micro-batches, each split into
+        `algo.num_mini_batches` interleaved mini-batches (`split_mini_batches`) of one optimizer step each.
+        `micro_steps(mini)` yields, for the micro-batch indices of one mini-batch, the backward passes of its
+        optimizer step in order, each normalised by the trainer so that their gradients sum to the gradient of
+        the mini-batch's loss. Every backward but the last runs under `no_sync` (DDP all-reduces once per
+        optimizer step); then `optimizer_step` clips, steps and zeroes.
+        """
+        a = self.cfg.algo
+        stats, mini_batches, grad_norms = StatMeans(stat_keys), [], []
+        for _ in range(a.num_inner_epochs):
+            for mini in split_mini_batches(num_micro_batches, a.num_mini_batches):
+                mini_stats = StatMeans(stat_keys)
+                for backward, last in with_last(micro_steps(mini)):
+                    with self.parallel.no_sync(self.model, last):
+                        values = backward()
+                    stats.add(values)
+                    mini_stats.add(values)
+                grad_norms.append(self.optimizer_step())
+                mini_batches.append(mini_stats.means())
+        self.last_update = UpdateStats(stats.means(), mini_batches, grad_norms)
+        return self.last_update
 
     # ---------------------------------------------------------------------------------------------------
     # Shared steps
@@ -493,47 +560,10 @@ class RewardTrainer:
             )
         return module
 
-    def _shard_if_asked(self) -> bool:
-        """`trainer.strategy=fsdp`: shard the trainable component (and a frozen reference copy) with FSDP2.
-
-        In place, after LoRA and gradient checkpointing are set up and before the optimizer is built over
-        the shards. The reference copy is sharded the same way, with the same precision policy, so the
-        first KL is exactly 0. One process has nothing to shard: it trains unsharded, and says so.
-        """
-        t = self.cfg.trainer
-        if t.strategy != "fsdp":
-            return False
-        if self.world_size == 1:
-            logger.warning("trainer.strategy=fsdp in a single process: nothing to shard, training unsharded")
-            return False
-        sharding.shard(self.trainable, self.component, self.device, self.world_size, t.mixed_precision)
-        if self.reference is not None:
-            sharding.shard(
-                self.reference,
-                self.component,
-                self.device,
-                self.world_size,
-                t.mixed_precision,
-                cpu_offload=t.fsdp_reference_offload,
-            )
-        return True
-
-    def sampling_weights(self):
-        """Context of a rollout or an evaluation: under FSDP the trained component gathered once for it
-        (`trainer.fsdp_gather_for_rollout`, `sharding.gathered`); otherwise nothing to do."""
-        if self.sharded and self.cfg.trainer.fsdp_gather_for_rollout:
-            return sharding.gathered(self.trainable, self.component)
-        return contextlib.nullcontext()
-
-    def no_sync(self, last: bool):
-        """Context of one backward of an optimizer step: DDP all-reduces gradients only at the `last` one.
-
-        FSDP2 reduce-scatters at every backward instead: deferring it would keep a full unsharded copy of
-        the gradients on every rank, the memory sharding is there to save. The sums are the same.
-        """
-        if last or self.sharded:
-            return contextlib.nullcontext()
-        return self.accelerator.no_sync(self.model)
+    @property
+    def sharded(self) -> bool:
+        """Whether the trained component is sharded over the ranks (FSDP on 2 or more ranks)."""
+        return self.parallel.sharded
 
     def _trainable_submodules(self, module: nn.Module) -> list[nn.Module]:
         """The parts of the trainable component that the training forward pass uses (default: all of it)."""
@@ -577,8 +607,7 @@ class RewardTrainer:
         step (see `guards.py`). Under DDP the norm comes from all-reduced gradients: every rank agrees.
         """
         params = [p for p in self.model.parameters() if p.requires_grad]
-        clip = sharding.clip_grad_norm_ if self.sharded else self.accelerator.clip_grad_norm_
-        grad_norm = float(clip(params, self.cfg.optim.max_grad_norm))
+        grad_norm = float(self.parallel.clip_grad_norm_(params, self.cfg.optim.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.num_skipped_nonfinite += 1
             if self.accelerator.scaler is not None:
@@ -633,6 +662,7 @@ class RewardTrainer:
             rank=self.rank,
             is_main=self.is_main,
             barrier=dist.barrier,
+            parallel=self.parallel,
             extra_files=self.checkpoint_extras(),
         )
         if self.is_main:
@@ -665,6 +695,7 @@ class RewardTrainer:
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             rank=self.rank,
+            parallel=self.parallel,
         )
         if self.ema is not None and ema_state is not None:
             self.ema.load_state_dict(ema_state)
@@ -675,6 +706,7 @@ class RewardTrainer:
 
     def load_checkpoint_extras(self, path: Path) -> None:
         """Restore what `checkpoint_extras` saved, from the checkpoint folder every rank resumes from."""
+        return None  # an optional hook: the base trainer saves no extras
 
     def _progress_bar(self):
         if not (self.is_main and self.cfg.trainer.progress_bar):
@@ -725,10 +757,8 @@ class RewardTrainer:
         # The pipeline's AR stage reseeds the global RNG; training's random streams must not notice.
         with (
             self._eval_weights(),
-            self.sampling_weights(),
-            # Sharded weights compute in the policy's dtype (bf16 under mixed precision), so evaluation
-            # runs under the same autocast as training; unsharded it runs in the weights' dtype.
-            self.policy_precision() if self.sharded else contextlib.nullcontext(),
+            self.parallel.sampling(self.trainable),
+            self.parallel.evaluation_precision(self.policy_precision),
             torch.random.fork_rng(devices=self._rng_devices()),
         ):
             result, images = evaluate_prompts(
@@ -741,7 +771,7 @@ class RewardTrainer:
                 world_size=self.world_size,
                 num_grid_images=self.cfg.eval.num_grid_images,
                 prior_tokens=self._eval_prior_tokens(),
-                equal_calls=self.sharded,
+                equal_calls=self.parallel.equal_calls,
             )
         scalars = eval_scalars(result)
         if self.is_main:
