@@ -2,11 +2,12 @@
 
 On a CPU with AVX512-BF16 or AMX a bf16 matmul is as fast as float32 or faster; on an AVX2-only CPU it is
 emulated, hundreds of times slower. This is the figure behind the warning a bf16 run logs on such a CPU and
-behind the tests' choice of float32 for the real-width fixture there. `ONEDNN_MAX_CPU_ISA=AVX2
-ATEN_CPU_CAPABILITY=avx2` makes a bf16-capable CPU take the AVX2 path, so both can be measured on one machine:
+behind the tests' choice of float32 for the real-width fixture there. `ONEDNN_MAX_CPU_ISA=AVX2` makes a
+bf16-capable CPU take the AVX2 path (oneDNN computes torch's CPU matmuls), so both can be measured on one
+machine:
 
     .venv/bin/python benchmarks/bench_cpu_bf16.py --json bf16.json
-    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/bench_cpu_bf16.py
+    ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python benchmarks/bench_cpu_bf16.py --repeats 1
 """
 
 from __future__ import annotations
