@@ -78,9 +78,8 @@ def cpu_has_native_bf16() -> bool:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if cap and not cap.startswith(_ONEDNN_BF16_ISAS):
         return False
-    flags = cpu_flags()
-    if flags:
-        return any(f in flags for f in (*_X86_BF16_FLAGS, *_ARM_BF16_FLAGS))
+    if cpu_flags():
+        return bool(cpu_bf16_flags())
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # an older torch without the private checks

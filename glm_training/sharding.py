@@ -53,12 +53,6 @@ UNUSED_UNITS = {
 }
 
 
-def is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 @functools.cache
 def _mesh(device_type: str, world_size: int):
     from torch.distributed.device_mesh import init_device_mesh
