@@ -3,6 +3,9 @@
 python train_ar.py                                           # tiny offline model, CPU, a few minutes
 python train_ar.py --config configs/ar_training.yaml model=glm_image reward.names=[pickscore] ...
 torchrun --nproc_per_node=8 train_ar.py --config configs/ar_training.yaml model=glm_image ...
+
+The trainer comes from the algorithm table (`glm_training/config/algorithms.py`) when training starts:
+--cfg and --help answer without loading torch.
 """
 
 import sys
@@ -10,5 +13,4 @@ import sys
 from glm_training.cli import run
 
 if __name__ == "__main__":
-    # The trainer is imported when training starts: --cfg and --help answer without loading torch.
-    sys.exit(run("glm_training.trainers.ar_trainer:ARTrainer", "ar_training"))
+    sys.exit(run("ar", "ar_training"))

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def rollout_bytes_per_sample(rollout) -> float:
     """Bytes the rollout keeps for `_update`, per sample (conditioning included)."""
     total, count = 0, 0
-    for kept in rollout.trajectories:
+    kept_chunks = rollout.samples if hasattr(rollout, "samples") else rollout.trajectories
+    for kept in kept_chunks:
         if isinstance(kept, NFTSamples):
             total += kept.num_bytes()
             count += kept.final_latents.shape[0]

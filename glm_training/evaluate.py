@@ -32,6 +32,7 @@ import torch
 from glm_training import distributed as dist
 from glm_training.data import Prompt, PromptFileError, load_prompts
 from glm_training.image_grid import caption, make_image_grid
+from glm_training.models.halves import model_half
 from glm_training.rewards.combine import weighted_sum
 from glm_training.rollout.dit import generate_prior_tokens, prompt_seed, render_with_pipeline, seeded_latents
 
@@ -51,10 +52,7 @@ class EvalSampling:
 def eval_sampling(cfg: Any) -> EvalSampling:
     """The evaluation's sampling settings: `cfg.eval`, with zeros/nulls taken from the training sampling."""
     e, s = cfg.eval, cfg.sampling
-    if cfg.component == "dit":
-        steps, guidance = s.num_steps, s.guidance_scale
-    else:  # the AR trainer decodes with the frozen DiT's own settings
-        steps, guidance = s.dit_num_steps, s.dit_guidance_scale
+    steps, guidance = model_half(cfg.component).render_settings(s)
     return EvalSampling(
         height=e.height or s.height,
         width=e.width or s.width,
@@ -269,11 +267,8 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
 
     setup_logging(True)
     if args.checkpoint:
-        from glm_training.export import (
-            inspect_checkpoints,
-            load_pipeline_from_checkpoints,
-            resolve_checkpoint,
-        )
+        from glm_training.checkpoint import resolve_checkpoint
+        from glm_training.export import inspect_checkpoints, load_pipeline_from_checkpoints
 
         checkpoints = [resolve_checkpoint(Path(c)) for c in args.checkpoint]
         # Every checkpoint error (two DiT runs, other base models, --ema without EMA) before any loading.
@@ -330,9 +325,10 @@ def _apply_chained_weights(pipeline, cfg: Any, given: list[str]) -> None:
     A DiT run chained to a trained AR model (and trained on priors cached from it) is evaluated with that AR
     model: its live tokens are the cached ones, so the numbers equal the training-time evaluation's.
     """
-    from glm_training.models.frozen_weights import WEIGHT_KEYS, apply_weights_source, resolve_weights_source
+    from glm_training.models.frozen_weights import apply_weights_source, resolve_weights_source
+    from glm_training.models.halves import HALVES
 
-    for component in WEIGHT_KEYS:
+    for component in HALVES:
         if component in given or component == cfg.component:
             continue
         source = resolve_weights_source(cfg.model, component)

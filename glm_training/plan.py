@@ -39,23 +39,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from glm_training.config.algorithms import algorithm_of
 from glm_training.errors import UserError
-from glm_training.sharding import SHARD_UNITS, UNUSED_UNITS
+from glm_training.models.halves import model_half
 
 logger = logging.getLogger("glm_training")
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# Bytes saved for backward per token per unit of hidden width by ONE layer in a bf16-autocast LoRA training
-# forward, measured with saved-tensor hooks on the real-width fixture (`bench_memory.py --calibrate`; 2-core
-# CPU, torch 2.13): DiT 35.0 at 256² (256 tokens), 32.9 at 512² (1024 tokens); AR 48.9 (384 tokens), 48.7
-# (576 tokens). Linear in the tokens: attention saves no tokens x tokens matrix (flash kernels on GPU and
-# CPU). Full fine-tuning saves the same inputs of every linear layer.
-ACT_COEF = {"dit": 34.0, "ar": 48.8}
-# With gradient checkpointing a layer keeps only its bf16 input (2 bytes; measured 2.0 to 2.1), and one
-# layer's full activations exist during its recompute (added in `build_plan`).
-CKPT_COEF = {"dit": 2.1, "ar": 2.0}
+# Activations: each half's `activation_coef` (`models/halves.py`) is the bytes saved for backward per token
+# per unit of hidden width by ONE layer in a bf16-autocast LoRA training forward, measured with saved-tensor
+# hooks on the real-width fixture (`bench_memory.py --calibrate`; 2-core CPU, torch 2.13). Linear in the
+# tokens: attention saves no tokens x tokens matrix (flash kernels on GPU and CPU). Full fine-tuning saves
+# the same inputs of every linear layer. With gradient checkpointing a layer keeps only its bf16 input
+# (`checkpoint_coef`, 2 bytes), and one layer's full activations exist during its recompute (added in
+# `build_plan`).
 # The AR loss keeps the float32 log-softmax over the image vocabulary of every scored token (measured: exactly
 # one copy saved); its gradient is a second copy during backward.
 AR_LOGIT_COPIES = 2
@@ -77,7 +76,6 @@ REWARD_PARAMS = {
 }
 # Allocator slack, CUDA context, kernels' workspaces: what the terms do not see.
 OVERHEAD_BYTES = 2 * GIB
-TRAINABLE = {"dit": "transformer", "ar": "vision_language_encoder"}
 
 
 class MemoryPlanError(UserError, RuntimeError):
@@ -229,17 +227,6 @@ def lora_params(module: nn.Module, targets: list[str], rank: int) -> int:
     return total
 
 
-def _trained_parts(component: str, module: nn.Module) -> list[nn.Module]:
-    # As the trainers' `_trainable_submodules`: the AR trainer trains only the GLM decoder and its head.
-    if component == "ar":
-        return [module.model.language_model, module.lm_head]
-    return [module]
-
-
-def _layers(component: str, module: nn.Module) -> nn.ModuleList:
-    return module.transformer_blocks if component == "dit" else module.model.language_model.layers
-
-
 # -------------------------------------------------------------------------------------------------------
 # The plan
 
@@ -273,7 +260,8 @@ def build_plan(
     shard = world_size if strategy == "fsdp" and world_size > 1 else 1
     modules = modules if modules is not None else meta_components(m)
     wbytes = DTYPE_BYTES[m.dtype]
-    trained_name = TRAINABLE[component]
+    half = model_half(component)
+    trained_name = half.attribute
     plan = MemoryPlan(
         component, strategy if world_size > 1 else "single process", world_size, device_bytes=device_bytes
     )
@@ -294,8 +282,8 @@ def build_plan(
             )
         )
     trained = modules[trained_name]
-    parts = _trained_parts(component, trained)
-    layers = _layers(component, trained)
+    parts = half.trained_parts(trained)
+    layers = half.layers(trained)
     if m.lora.enabled:
         n_train = sum(lora_params(p, list(m.lora.target_modules), m.lora.rank) for p in parts)
         pbytes, kind = 4, f"LoRA r{m.lora.rank}, float32"
@@ -315,10 +303,11 @@ def build_plan(
     plan.static.append(Term("optimizer state (AdamW)", 2 * local * pbytes, "exp_avg + exp_avg_sq"))
     if getattr(cfg.algo, "ema", False):
         plan.static.append(Term("EMA copy", local * pbytes, ""))
-    if getattr(cfg.algo, "name", "") == "nft":
-        # DiffusionNFT's old (sampling) model: a float32 copy of the adapters, or a frozen copy of the module.
-        old_bytes = n_train * (pbytes if m.lora.enabled else wbytes)
-        plan.static.append(Term("NFT old model", old_bytes / shard, "copy of the trained weights"))
+    for name in algorithm_of(cfg).policy_copies:
+        # E.g. DiffusionNFT's old (sampling) model: a float32 copy of the adapters, or a frozen copy of the
+        # module.
+        copy_bytes = n_train * (pbytes if m.lora.enabled else wbytes)
+        plan.static.append(Term(name, copy_bytes / shard, "copy of the trained weights"))
     if not m.lora.enabled and cfg.algo.beta > 0:
         if shard > 1 and cfg.trainer.fsdp_reference_offload:
             plan.static.append(Term("KL reference copy", 0, "shards in host memory (fsdp_reference_offload)"))
@@ -329,10 +318,10 @@ def build_plan(
     rollout_gather = 0.0
     if shard > 1:
         # One unit gathered for compute and the next one prefetched (FSDP2's default), plus the root unit
-        # (everything outside `SHARD_UNITS`: embeddings, heads), gathered for the whole forward; in the
-        # policy's compute dtype (bf16 under trainer.mixed_precision=bf16).
+        # (everything outside the half's `shard_units`: embeddings, heads), gathered for the whole forward;
+        # in the policy's compute dtype (bf16 under trainer.mixed_precision=bf16).
         unit = _numel(layers[0]) if len(layers) else 0
-        root = _numel(trained) - sum(_numel(u) for u in SHARD_UNITS[component](trained))
+        root = _numel(trained) - sum(_numel(u) for u in half.shard_units(trained))
         gathered = min(2, len(layers))
         gbytes = DTYPE_BYTES["bfloat16"] if cfg.trainer.mixed_precision == "bf16" else wbytes
         units_bytes = (gathered * unit + root) * gbytes
@@ -346,7 +335,7 @@ def build_plan(
         if cfg.trainer.fsdp_gather_for_rollout:
             # Sampling gathers the component once (`sharding.gathered`; not the AR model's unused image
             # towers), in place of the units above.
-            unused = sum(_numel(u) for u in UNUSED_UNITS[component](trained))
+            unused = sum(_numel(u) for u in half.unused_units(trained))
             rollout_gather = (_numel(trained) - unused) * gbytes - units_bytes
 
     s = cfg.sampling
@@ -357,13 +346,11 @@ def build_plan(
         width_h = trained.config.num_attention_heads * trained.config.attention_head_dim
         vae_factor = 2 ** (len(modules["vae"].config.block_out_channels) - 1)
         latent = modules["vae"].config.latent_channels * (height // vae_factor) * (width // vae_factor)
-        num_trained = max(1, round((s.window_end() - s.sde_window_start) * cfg.algo.timestep_fraction))
+        kept, kept_what = cfg.rollout_latents_per_sample()
         samples = cfg.data.per_rank_samples(world_size)
         plan.static.append(
             Term(
-                "trajectory buffers",
-                samples * num_trained * 2 * latent * 4,
-                f"{samples} samples x {num_trained} steps x 2 latents, float32",
+                "trajectory buffers", samples * kept * latent * 4, f"{samples} samples x {kept_what}, float32"
             )
         )
         logits = 0.0
@@ -379,8 +366,8 @@ def build_plan(
         logits = batch * scored * vocab * 4 * AR_LOGIT_COPIES
         decode_batch = cfg.algo.micro_batch_size
     n_layers = len(layers)
-    full = ACT_COEF[component] * n_layers * batch * tokens * width_h + logits
-    ckpt = (CKPT_COEF[component] * n_layers + ACT_COEF[component]) * batch * tokens * width_h + logits
+    full = half.activation_coef * n_layers * batch * tokens * width_h + logits
+    ckpt = (half.checkpoint_coef * n_layers + half.activation_coef) * batch * tokens * width_h + logits
     on, off = (ckpt, full) if m.gradient_checkpointing else (full, ckpt)
     what = f"{batch} x {tokens} tokens x {n_layers} layers"
     plan.activations = Term(

@@ -1,9 +1,10 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) for `trainer.strategy=fsdp`: sharding, clipping, checkpoints.
 
 The trainable component is sharded in place: one shard unit per DiT transformer block or GLM decoder layer
-(`SHARD_UNITS`; the AR model's unused image-input towers are units too), plus the root unit holding the
-rest (embeddings, heads, final norms). Every parameter is split along its first dimension over the ranks,
-so each rank holds about 1/world of the component, its gradients and its optimizer state. The module keeps
+(the half's `shard_units`, `models/halves.py`; the AR model's unused image-input towers are units too),
+plus the root unit holding the rest (embeddings, heads, final norms). Every parameter is split along its
+first dimension over the ranks, so each rank holds about 1/world of the component, its gradients and its
+optimizer state. The module keeps
 its class (FSDP2 subclasses it in place) and its parameter names, so the pipeline, the rollouts, the
 reference pass and evaluation call the same object, and a forward call gathers each unit's parameters just
 before it runs.
@@ -36,21 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from glm_training.models.halves import model_half
 
-# Component -> its FSDP units besides the root (a unit is gathered whole when it runs): the repeated blocks,
-# and for the AR model also its image-input towers (vision encoder, VQ tokenizer), which text-to-image never
-# runs: as units of their own they stay sharded and are never gathered, where inside the root unit they
-# would be gathered at every forward (every generated token).
-SHARD_UNITS = {
-    "dit": lambda module: list(module.transformer_blocks),  # GlmImageTransformerBlock
-    "ar": lambda module: [*module.get_decoder().layers, module.model.visual, module.model.vqmodel],
-}
-# The units of SHARD_UNITS that text-to-image never runs: `gathered` leaves them sharded.
-UNUSED_UNITS = {
-    "dit": lambda module: [],
-    "ar": lambda module: [module.model.visual, module.model.vqmodel],
-}
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -82,7 +71,7 @@ def shard(
     mixed_precision: str = "no",
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """Shard `module` in place over all ranks (units of `SHARD_UNITS[component]`, then the root); returns it.
+    """Shard `module` in place over all ranks (the half's `shard_units`, then the root); returns it.
 
     `cpu_offload` keeps the shards in host memory and copies them to `device` for each forward (FSDP2's
     `CPUOffloadPolicy`; used for the frozen KL reference of a full fine-tune).
@@ -101,7 +90,7 @@ def shard(
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     # Units free their gathered weights after forward; the root keeps its own (backward starts with it),
     # which is FSDP2's default, spelt out because `gathered` restores it.
-    for unit in SHARD_UNITS[component](module):
+    for unit in model_half(component).shard_units(module):
         fully_shard(unit, reshard_after_forward=True, **kwargs)
     fully_shard(module, reshard_after_forward=False, **kwargs)
     # transformers' generate() then runs with synced_gpus: no rank stops stepping before the others.
@@ -122,7 +111,7 @@ def gathered(module: nn.Module, component: str):
     """
     from torch.distributed.fsdp import FSDPModule
 
-    unused = {id(unit) for unit in UNUSED_UNITS[component](module)}
+    unused = {id(unit) for unit in model_half(component).unused_units(module)}
     units = [m for m in module.modules() if isinstance(m, FSDPModule) and id(m) not in unused]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)

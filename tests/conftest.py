@@ -47,6 +47,38 @@ AR_SMALL = [
 ]
 
 
+# Test categories (tests/README.md). Unit: these files, which build no model (pure math, configs, tools);
+# distributed: the `distributed` mark (real torchrun); integration: everything else (the tiny model, end to
+# end). `pytest -m unit` runs the first kind in seconds.
+UNIT_FILES = {
+    "test_advantages.py",
+    "test_algorithm_table.py",
+    "test_cli_flags.py",
+    "test_config.py",
+    "test_flat_groups.py",
+    "test_flow_grpo.py",
+    "test_gspo.py",
+    "test_import_graph.py",
+    "test_losses.py",
+    "test_nft.py",
+    "test_sde.py",
+    "test_tracking.py",
+    "test_update_loop.py",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if "distributed" in item.keywords:
+            continue
+        unit = (
+            item.path.name in UNIT_FILES
+            and "slow" not in item.keywords
+            and "tmp_path" not in item.fixturenames
+        )
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
+
+
 def pytest_report_header(config) -> list[str]:
     """The machine and the packages the run is on: the CPU (bf16 in hardware or not), and the lock check."""
     from glm_training import environment

@@ -10,8 +10,8 @@ import yaml
 from conftest import PYTHON, run_cli
 
 from glm_training.cli import run
-from glm_training.config import ConfigError, config_to_yaml, load_config
-from glm_training.config_help import field_docs
+from glm_training.config import ConfigError, config_to_yaml, load_config, option
+from glm_training.config.help import field_docs
 from glm_training.trainers.ar_trainer import ARTrainer
 from glm_training.trainers.dit_trainer import DiTTrainer
 
@@ -80,19 +80,18 @@ def test_help_lists_the_groups_and_every_key_with_its_doc():
 @pytest.mark.parametrize("config", ["t2i_training", "ar_training"])
 def test_every_key_of_both_schemas_has_a_doc(config):
     missing = [key for key, cls, name in keys(load_config(config=config)) if not field_docs(cls).get(name)]
-    assert not missing, f"document these fields with a comment in config.py: {missing}"
+    assert not missing, f"document these fields with option(default, help) in config/schema.py: {missing}"
 
 
-def test_docs_come_from_the_comments_beside_the_fields():
+def test_docs_come_from_the_help_metadata_of_the_fields():
     @dataclass
     class Planted:
-        # Above, first line;
-        # above, second line.
-        a: int = 1  # after
-        b: str = "# not a comment"
-        c: float = 0.5  # only after
+        a: int = option(1, "Over two\n   lines, joined.")
+        b: str = "# not a doc"
+        c: list[int] = option(factory=lambda: [1], help="a list")
 
-    assert field_docs(Planted) == {"a": "Above, first line; above, second line. after", "c": "only after"}
+    assert field_docs(Planted) == {"a": "Over two lines, joined.", "c": "a list"}
+    assert Planted().c == [1] and Planted().c is not Planted().c
 
 
 def test_hydra_run_dir_sets_the_output_dir_and_other_hydra_keys_are_refused(tmp_path):

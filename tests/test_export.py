@@ -18,9 +18,9 @@ import torch
 from conftest import PYTHON, run_cli
 from safetensors.torch import load_file
 
-from glm_training.checkpoint import CheckpointError
+from glm_training.checkpoint import CheckpointError, resolve_checkpoint
 from glm_training.cli import run
-from glm_training.export import load_pipeline_from_checkpoints, main, resolve_checkpoint
+from glm_training.export import load_pipeline_from_checkpoints, main
 from glm_training.trainers.ar_trainer import ARTrainer
 from glm_training.trainers.dit_trainer import DiTTrainer
 

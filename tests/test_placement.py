@@ -55,7 +55,7 @@ def test_single_process_map_places_without_to(tiny_model_dir, device_map, monkey
         _cfg(tiny_model_dir, device_map), "dit", distributed=False, reason="test", device=CPU
     )
     assert not plan.distributed
-    assert plan.move_to is None and spy.calls == []  # seed 000: no .to() after a map placed the model
+    assert plan.move_to is None and spy.calls == []  # no .to() of a model a device map placed
     assert plan.load_device_map in ("cpu", "balanced")  # "auto" is never handed to diffusers
     for module in wrapper.components().values():
         assert all(p.device.type == "cpu" for p in module.parameters())
@@ -116,7 +116,7 @@ def test_plan_on_gpus_uses_balanced_with_90_percent(monkeypatch):
     assert plan.max_memory == {0: int(0.9 * 80 * 2**30), 1: int(0.9 * 80 * 2**30)}
     kwargs = pipeline_load_kwargs(plan, torch.bfloat16)
     assert kwargs["device_map"] == "balanced" and kwargs["max_memory"] == plan.max_memory
-    assert not {"offload_state_dict", "offload_folder"} & set(kwargs)  # seed 002
+    assert not {"offload_state_dict", "offload_folder"} & set(kwargs)  # disk offload hung from_pretrained
     dist_plan = plan_placement("auto", distributed=True, reason="t", device=torch.device("cuda", 1))
     assert dist_plan.load_device_map == "cpu" and dist_plan.move_to == torch.device("cuda", 1)
 

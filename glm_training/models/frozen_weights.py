@@ -9,7 +9,7 @@ rewards) separately. To chain the stages, a run can freeze the other half at the
 
 Each takes an AR/DiT run folder (its newest checkpoint), a checkpoint step folder (LoRA or full fine-tuning)
 or an export folder (`python -m glm_training.export`). Checkpoints go through the readers the export uses
-(`export.read_checkpoint`, `export.load_trained_weights`, peft's merge), so a chained run sees exactly the
+(`checkpoint.read_checkpoint`, `export.load_trained_weights`, peft's merge), so a chained run sees exactly the
 weights an export of that checkpoint would hold.
 
 `component_fingerprint` names the weights a component would be loaded with, from the files alone (no model
@@ -27,23 +27,14 @@ from typing import Any
 
 import torch
 
-from glm_training.checkpoint import CheckpointError
+from glm_training.checkpoint import CheckpointError, CheckpointInfo, read_checkpoint
 from glm_training.config import ConfigError
-from glm_training.export import (
-    CheckpointInfo,
-    inspect_checkpoints,
-    load_trained_weights,
-    read_checkpoint,
-)
+from glm_training.export import inspect_checkpoints, load_trained_weights
+from glm_training.models.halves import HALVES
 from glm_training.models.lora import merge_lora_adapters
-from glm_training.models.wrapper import TRAINABLE_COMPONENTS, model_path
+from glm_training.models.wrapper import model_path
 
 logger = logging.getLogger(__name__)
-
-WEIGHT_KEYS = {"ar": "model.ar_weights", "dit": "model.dit_weights"}
-# What else decides a component's output besides its own weights: the AR model's prompts go through the
-# processor's tokenizer and chat template.
-COMPANION_FOLDERS = {"ar": ("processor",), "dit": ()}
 
 
 @dataclass(frozen=True)
@@ -57,11 +48,11 @@ class WeightsSource:
 
     @property
     def key(self) -> str:
-        return WEIGHT_KEYS[self.component]
+        return HALVES[self.component].weights_key
 
     @property
     def pipeline_component(self) -> str:
-        return TRAINABLE_COMPONENTS[self.component]
+        return HALVES[self.component].attribute
 
     def describe(self) -> str:
         if self.info is not None:
@@ -71,7 +62,7 @@ class WeightsSource:
 
 
 def _spec(model_cfg: Any, component: str) -> str:
-    return str(getattr(model_cfg, WEIGHT_KEYS[component].split(".")[1], "") or "")
+    return str(getattr(model_cfg, HALVES[component].weights_key.split(".")[1], "") or "")
 
 
 def resolve_weights_source(model_cfg: Any, component: str) -> WeightsSource | None:
@@ -80,11 +71,11 @@ def resolve_weights_source(model_cfg: Any, component: str) -> WeightsSource | No
     Raises `ConfigError` naming the key for a folder that is neither a checkpoint of that component nor an
     export, and for a checkpoint trained from another base model.
     """
-    key, spec = WEIGHT_KEYS[component], _spec(model_cfg, component)
+    key, spec = HALVES[component].weights_key, _spec(model_cfg, component)
     if not spec:
         return None
     path = Path(spec).expanduser()
-    sub = TRAINABLE_COMPONENTS[component]
+    sub = HALVES[component].attribute
     if (path / "model_index.json").is_file():
         if not (path / sub / "config.json").is_file():
             raise ConfigError(
@@ -118,16 +109,16 @@ def frozen_weight_sources(
 ) -> list[WeightsSource]:
     """The checked weight sources of every frozen, loaded component; errors before any model loads."""
     sources = []
-    for component in WEIGHT_KEYS:
+    for component in HALVES:
         if not _spec(model_cfg, component):
             continue
         if component == trained_component:
             raise ConfigError(
-                WEIGHT_KEYS[component],
+                HALVES[component].weights_key,
                 f"sets the weights of the frozen {component} half, but this run trains the {component}; "
                 "continue a run with trainer.resume, or leave it empty.",
             )
-        if TRAINABLE_COMPONENTS[component] in skip:
+        if HALVES[component].attribute in skip:
             continue  # not loaded at all (e.g. the AR model of a cached-prior DiT run)
         sources.append(resolve_weights_source(model_cfg, component))
     return sources
@@ -203,7 +194,7 @@ def component_fingerprint(model_cfg: Any, component: str) -> tuple[str, dict[str
     the export's component folder in place of the base one.
     """
     base = _base_folder(model_cfg, component)
-    sub = TRAINABLE_COMPONENTS[component]
+    sub = HALVES[component].attribute
     source = resolve_weights_source(model_cfg, component)
     parts: dict[str, Any] = {"base_model": model_cfg.name}
     if model_cfg.name == "tiny":
@@ -213,7 +204,7 @@ def component_fingerprint(model_cfg: Any, component: str) -> tuple[str, dict[str
         parts[sub] = folder_digest(weights_folder)
     else:  # a hub snapshot without the weights downloaded: its commit names every file
         parts[sub] = f"hub:{model_cfg.name}@{base.name}"
-    for companion in COMPANION_FOLDERS[component]:
+    for companion in HALVES[component].companion_folders:
         if (base / companion).is_dir():
             parts[companion] = folder_digest(base / companion)
     if source is not None:

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from glm_training.models.halves import HALVES, model_half
 from glm_training.models.placement import PlacementPlan, pipeline_load_kwargs, run_stage
 
 logger = logging.getLogger(__name__)
 
-TRAINABLE_COMPONENTS = {"dit": "transformer", "ar": "vision_language_encoder"}
 MODEL_COMPONENTS = ("vision_language_encoder", "text_encoder", "transformer", "vae")
 
 
@@ -79,15 +79,12 @@ class GLMImageWrapper:
         tiny_seed: int = 0,
         skip_components: tuple[str, ...] = (),
     ):
-        if component not in TRAINABLE_COMPONENTS:
-            raise ValueError(f"component must be one of {sorted(TRAINABLE_COMPONENTS)}, got '{component}'.")
+        trained = model_half(component).attribute  # ValueError naming the halves for another name
         if device_map == "auto":
             device_map = "balanced"
         from diffusers import GlmImagePipeline
 
-        bad = [
-            c for c in skip_components if c not in MODEL_COMPONENTS or c == TRAINABLE_COMPONENTS[component]
-        ]
+        bad = [c for c in skip_components if c not in MODEL_COMPONENTS or c == trained]
         if bad:
             raise ValueError(f"cannot leave out {bad}: only frozen components of {MODEL_COMPONENTS} can be.")
         self.component = component
@@ -112,12 +109,12 @@ class GLMImageWrapper:
         if ar is not None and ar.generation_config.pad_token_id is None:
             ar.generation_config.pad_token_id = ar.generation_config.eos_token_id
         for name, module in self.components().items():
-            module.requires_grad_(name == TRAINABLE_COMPONENTS[component])
+            module.requires_grad_(name == trained)
             module.train(False)
 
     @property
     def trainable_name(self) -> str:
-        return TRAINABLE_COMPONENTS[self.component]
+        return HALVES[self.component].attribute
 
     @property
     def trainable(self) -> nn.Module:

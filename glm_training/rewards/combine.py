@@ -26,10 +26,11 @@ From Python a trainer also takes the rewards themselves, TRL-style
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -132,12 +133,24 @@ class RewardSet:
             for name in self.names
         }
         self._executor: ThreadPoolExecutor | None = None
-        # Retries, failures and non-finite scores (see `rewards/retry.py`); the trainer sets the policy and
-        # defers errors while it collects a step, then clears what was recorded.
+        # Retries, failures and non-finite scores (see `rewards/retry.py`); the trainer sets the policy once
+        # and collects each step inside `collecting()`.
         self.policy = FailurePolicy()
         self.defer_errors = False
         self.failures: list[str] = []  # retryable rewards out of retries
         self.errors: list[Exception] = []  # any other reward error
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[RewardSet]:
+        """One step's scoring: starts with no recorded failure or error, and holds a reward's error (NaN
+        scores, recorded in `errors`) until the block ends, so that every rank can act on it together."""
+        self.failures.clear()
+        self.errors.clear()
+        self.defer_errors = True
+        try:
+            yield self
+        finally:
+            self.defer_errors = False
 
     def check_prompts(self, prompts: list[str], metadata: list[dict]) -> None:
         """Run every reward's prompt check (ValueError naming the prompt and the fix)."""

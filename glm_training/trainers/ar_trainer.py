@@ -16,7 +16,8 @@ is below that threshold, for continuous rewards) carry no signal and are dropped
 keeps generating and scoring new batches *together* until the global pool holds `num_groups_per_step`
 valid groups or `max_resample_rounds` is used up. Each decision is taken from globally gathered data, so
 every rank makes the same number of `generate()` calls and collectives (no deadlock), and each rank then
-takes an equal slice of the pool, moved to its own device on arrival (seed 003).
+takes an equal slice of the pool, moved to its own device on arrival: a tensor gathered from another rank
+never meets this rank's tensors on the device it came from.
 """
 
 from __future__ import annotations
@@ -100,11 +101,6 @@ class ARTrainer(RewardTrainer):
 
     def flat_groups(self, rewards_gk: torch.Tensor) -> torch.Tensor:
         return flat_groups(rewards_gk, self.cfg.algo.min_group_std)
-
-    def _trainable_submodules(self, module):
-        # Text-to-image runs only the GLM decoder and its image-token head; the vision tower and the VQ
-        # tokenizer (used for image inputs) stay frozen.
-        return [module.model.language_model, module.lm_head]
 
     # ---------------------------------------------------------------------------------------------------
     # Rollout

@@ -1,8 +1,9 @@
 """`DiTTrainer`: Flow-GRPO (arXiv 2505.05470) on the GLM-Image diffusion decoder.
 
-Rollout: the frozen AR model writes each prompt's prior tokens once (shared by its group), then the DiT
-samples `num_generations` images per prompt with an SDE inside this step's window (fixed, or drawn per
-rollout as in Flow-GRPO-Fast / MixGRPO), ODE elsewhere, recording every SDE step's latents, mean and log-prob.
+Rollout (the frame is `DiffusionTrainer`'s): the frozen AR model writes each prompt's prior tokens once
+(shared by its group), then the DiT samples `num_generations` images per prompt with an SDE inside this
+step's window (fixed, or drawn per rollout as in Flow-GRPO-Fast / MixGRPO), ODE elsewhere, recording every
+SDE step's latents, mean and log-prob.
 Update: for the SDE steps that train (Flow-GRPO's `timestep_fraction` rule), the log-prob of the recorded
 step is recomputed under the current policy (same guidance, same micro-batches as the rollout, so the first
 ratio is exactly 1), and the clipped objective plus `beta` times the KL to the reference is accumulated over
@@ -21,8 +22,6 @@ from typing import Any
 
 import torch
 
-from glm_training import distributed as dist
-from glm_training.algorithms.advantages import zero_std_groups
 from glm_training.algorithms.flow_grpo import (
     KL_FNS,
     LOG_RATIOS,
@@ -32,20 +31,9 @@ from glm_training.algorithms.flow_grpo import (
     random_window_start,
 )
 from glm_training.algorithms.losses import clipped_policy_loss, ratio_stats
-from glm_training.data import Prompt
-from glm_training.models.placement import parse_dtype
-from glm_training.priors import open_for_dit_run
-from glm_training.rewards.combine import ScoringQueue
-from glm_training.rollout.dit import (
-    DiTTrajectory,
-    build_guidance_inputs,
-    decode_latents,
-    generate_prior_tokens,
-    glm_image_schedule,
-    recompute_step,
-    sample_trajectory,
-)
-from glm_training.trainers.reward_trainer import Batch, RewardTrainer
+from glm_training.rollout.dit import DiTTrajectory, recompute_step, sample_trajectory
+from glm_training.trainers.diffusion_trainer import DiffusionTrainer
+from glm_training.trainers.reward_trainer import Batch
 
 # `sampling.sde_window_schedule` -> the window start of a step, from (sampling config, seed, step, lo, hi).
 WINDOW_STARTS = {
@@ -58,75 +46,17 @@ WINDOW_STARTS = {
 
 @dataclass
 class DiTRollout:
-    trajectories: list[DiTTrajectory]  # one per micro-batch, in sample order (NFT: `NFTSamples`)
+    trajectories: list[DiTTrajectory]  # one per micro-batch, in sample order
     timesteps: torch.Tensor  # [T]
     sigmas: torch.Tensor  # [T + 1]
     sde_window: tuple[int, int] = (0, 0)  # the schedule steps [start, end) that sampled with noise
 
 
-class DiTTrainer(RewardTrainer):
-    component = "dit"
+class DiTTrainer(DiffusionTrainer):
+    """Flow-GRPO: SDE sampling inside a window with recorded log-probs; the clipped ratio objective."""
 
-    def _build_model(self):
-        # data.prior_cache is checked (resolution, AR fingerprint, prompts, sha256s) before the DiT loads.
-        self.prior_cache = open_for_dit_run(self.cfg, self.prompts, self.eval_prompts)
-        return super()._build_model()
-
-    def _components_not_loaded(self) -> tuple[tuple[str, ...], str]:
-        if self.prior_cache is None:
-            return (), ""
-        return ("vision_language_encoder",), f"prior tokens from data.prior_cache={self.cfg.data.prior_cache}"
-
-    def _eval_prior_tokens(self):
-        return None if self.prior_cache is None else self.prior_cache.eval_tokens
-
-    def _rollout(
-        self, group_prompts: list[Prompt], group_ids: list[int], step: int, scoring: ScoringQueue
-    ) -> tuple[DiTRollout, list]:
-        s = self.cfg.sampling
-        pipe = self.wrapper.pipeline
-        seed = self.sample_seed(step)
-        sample_prompts = [group_prompts[g] for g in group_ids]
-        prior = self._shared_prior_tokens(group_prompts, step)[torch.tensor(group_ids)]
-        timesteps, sigmas = glm_image_schedule(pipe, s.num_steps, s.height, s.width)
-        window = self.sde_window(step)
-        generator = torch.Generator(self.device).manual_seed(seed)
-        dtype = parse_dtype(self.cfg.model.dtype)
-        latent_shape = (
-            self.trainable.config.in_channels,
-            s.height // pipe.vae_scale_factor,
-            s.width // pipe.vae_scale_factor,
-        )
-        trajectories, images = [], []
-        for start in range(0, len(sample_prompts), s.micro_batch_size):
-            chunk = sample_prompts[start : start + s.micro_batch_size]
-            cond = build_guidance_inputs(
-                pipe,
-                [p.text for p in chunk],
-                prior[start : start + len(chunk)],
-                s.height,
-                s.width,
-                s.guidance_scale,
-                self.device,
-                dtype,
-            )
-            latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=self.device)
-            with self.policy_precision(), self.parallel.sampling(self.trainable):
-                kept, final_latents = self.sample_chunk(
-                    latents.to(dtype), cond, timesteps, sigmas, window, generator
-                )
-            trajectories.append(kept)
-            chunk_images = decode_latents(pipe, final_latents)
-            self.submit_chunk(scoring, chunk_images, chunk)
-            images += chunk_images
-        return DiTRollout(trajectories, timesteps, sigmas, window), images
-
-    def sample_chunk(self, latents, cond, timesteps, sigmas, window, generator) -> tuple[Any, torch.Tensor]:
-        """Sample one micro-batch from its initial latents [B, C, h, w].
-
-        Returns (what `_update` keeps of it, the final latents [B, C, h, w] to decode). Flow-GRPO keeps the
-        trajectory of the SDE window; `NFTTrainer` samples with its old model's ODE, keeps the final latents.
-        """
+    def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator) -> tuple[Any, torch.Tensor]:
+        """One micro-batch's SDE trajectory inside this step's window; its final latents to decode."""
         s = self.cfg.sampling
         trajectory = sample_trajectory(
             self.trainable,
@@ -137,12 +67,15 @@ class DiTTrainer(RewardTrainer):
             guidance_scale=s.guidance_scale,
             noise_level=s.noise_level,
             sde_type=s.sde_type,
-            sde_window=window,
+            sde_window=self.sde_window(step),
             generator=generator,
             cps_log_prob=s.cps_log_prob,
             batched_cfg=s.batched_cfg,
         )
         return trajectory, trajectory.final_latents
+
+    def make_rollout(self, chunks, timesteps, sigmas, step) -> DiTRollout:
+        return DiTRollout(chunks, timesteps, sigmas, self.sde_window(step))
 
     def sde_window(self, step: int) -> tuple[int, int]:
         """The schedule steps [start, end) that sample with noise at `step`.
@@ -155,46 +88,6 @@ class DiTTrainer(RewardTrainer):
         lo, hi = s.window_range()
         start = WINDOW_STARTS[s.sde_window_schedule](s, self.cfg.trainer.seed, step, lo, hi)
         return start, start + s.sde_window_size
-
-    def global_advantages(
-        self, all_rewards: torch.Tensor, all_parts: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The shared advantages, with flat groups at exactly 0 and the fraction of zero advantages logged.
-
-        A group whose rewards are all equal has advantage 0 by definition; the rounding of its mean must not
-        turn that into noise that `drop_zero_advantage` would keep.
-        """
-        advantages, stats = super().global_advantages(all_rewards, all_parts)
-        flat_n = zero_std_groups(all_rewards.view(-1, self.cfg.data.num_generations)).repeat_interleave(
-            self.cfg.data.num_generations
-        )
-        advantages = torch.where(flat_n, torch.zeros_like(advantages), advantages)
-        stats["frac_zero_advantage"] = 1.0 - nonzero_advantage_mask(advantages).float().mean().item()
-        return advantages, stats
-
-    def _shared_prior_tokens(self, group_prompts: list[Prompt], step: int) -> torch.Tensor:
-        """[num_groups, L] prior tokens, one AR sample per group, identical on every rank.
-
-        A group may straddle ranks, and all its members must decode the same prior tokens; so each group is
-        generated by one owner rank (round-robin) and the tokens are shared with every rank. With
-        `data.prior_cache` every rank reads the same cached rows instead (`PriorCache.step_tokens`).
-        """
-        if self.prior_cache is not None:
-            return self.prior_cache.step_tokens([p.text for p in group_prompts], self.cfg.trainer.seed, step)
-        s = self.cfg.sampling
-        owned = list(range(self.rank, len(group_prompts), self.world_size))
-        tokens = {}
-        if owned:
-            generated = generate_prior_tokens(
-                self.wrapper.pipeline,
-                [group_prompts[g].text for g in owned],
-                s.height,
-                s.width,
-                seed=self.sample_seed(step),
-            )
-            tokens = dict(zip(owned, generated))
-        merged = {g: t for part in dist.gather_objects(tokens) for g, t in part.items()}
-        return torch.stack([merged[g] for g in range(len(group_prompts))])
 
     def policy_step(self, traj: DiTTrajectory, j: int, rollout: DiTRollout, module=None):
         """Recorded step `j` of a micro-batch, recomputed with gradients by `module` (default: the policy)."""

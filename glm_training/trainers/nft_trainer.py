@@ -2,7 +2,8 @@
 
 Follows NVlabs' reference (`scripts/train_nft_sd3.py`) step for step:
 - Rollout: the *old* model samples with the pipeline's ODE (`rollout/nft.py`); only the final latents and the
-  conditioning are kept. Prior tokens, rewards and advantages are `DiTTrainer`'s (shared, not copied).
+  conditioning are kept. Prior tokens, rewards and advantages are the diffusion base's (`DiffusionTrainer`,
+  shared with Flow-GRPO's `DiTTrainer`).
 - Update: each sample is noised again at `int(num_steps * timestep_fraction)` distinct times of the sampling
   schedule (drawn per sample, fresh noise each), the current and old velocities are predicted without CFG,
   and the implicit positive/negative policy loss (`algorithms/nft.py`) is averaged over samples and times;
@@ -22,6 +23,7 @@ import contextlib
 import copy
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +42,20 @@ from glm_training.algorithms.nft import (
 from glm_training.checkpoint import CheckpointError
 from glm_training.rollout.dit import predict_velocity
 from glm_training.rollout.nft import NFTSamples, keep_for_update, sample_ode
-from glm_training.trainers.dit_trainer import DiTRollout, DiTTrainer
+from glm_training.trainers.diffusion_trainer import DiffusionTrainer
 from glm_training.trainers.reward_trainer import Batch
 
 OLD_POLICY_FILE = "nft_old_policy.pt"
 NFT_STATS = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "old_deviation", "r_mean")
 # Offset of the update's noise seed from the rollout's, so the two streams never coincide.
 UPDATE_SEED_OFFSET = 1_000_000_007
+
+
+@dataclass
+class NFTRollout:
+    samples: list[NFTSamples]  # one per micro-batch, in sample order: clean latents and conditioning
+    timesteps: torch.Tensor  # [T]: the schedule the update's training times are drawn from
+    sigmas: torch.Tensor  # [T + 1]
 
 
 class OldPolicy:
@@ -101,8 +110,8 @@ class OldPolicy:
                 w.copy_(state[n].to(w.device, w.dtype))
 
 
-class NFTTrainer(DiTTrainer):
-    """DiffusionNFT: `DiTTrainer`'s rollout frame and advantages, the old model's ODE, the NFT update."""
+class NFTTrainer(DiffusionTrainer):
+    """DiffusionNFT: the diffusion rollout frame and advantages, the old model's ODE, the NFT update."""
 
     def _setup_trainable(self, module: nn.Module) -> nn.Module:
         module = super()._setup_trainable(module)
@@ -110,7 +119,7 @@ class NFTTrainer(DiTTrainer):
         self.old_policy = OldPolicy(module, self.cfg.model.lora.enabled)
         return module
 
-    def sample_chunk(self, latents, cond, timesteps, sigmas, window, generator) -> tuple[Any, torch.Tensor]:
+    def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator) -> tuple[Any, torch.Tensor]:
         """The old model's ODE sample of one micro-batch; keeps x_0 and the conditioning."""
         s = self.cfg.sampling
         with self.old_policy.module() as old:
@@ -125,13 +134,13 @@ class NFTTrainer(DiTTrainer):
             )
         return keep_for_update(cond, final), final
 
-    def sde_window(self, step: int) -> tuple[int, int]:
-        return 0, 0  # every step is an ODE step
+    def make_rollout(self, chunks, timesteps, sigmas, step) -> NFTRollout:
+        return NFTRollout(chunks, timesteps, sigmas)
 
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
         a, s = self.cfg.algo, self.cfg.sampling
-        rollout: DiTRollout = batch.rollout
-        chunks: list[NFTSamples] = rollout.trajectories
+        rollout: NFTRollout = batch.rollout
+        chunks = rollout.samples
         sizes = [c.final_latents.shape[0] for c in chunks]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         num_times = a.num_train_times(s.num_steps)

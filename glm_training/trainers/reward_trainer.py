@@ -58,6 +58,7 @@ from glm_training.image_grid import caption
 from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
 from glm_training.models.frozen_weights import apply_weights_source, frozen_weight_sources
+from glm_training.models.halves import ModelHalf, model_half
 from glm_training.models.lora import adapters_disabled, add_lora_adapters
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
@@ -162,6 +163,11 @@ class RewardTrainer(ABC):
     """Base trainer. `component` ("dit" or "ar") names the half of GLM-Image that trains."""
 
     component: str = ""
+
+    @property
+    def half(self) -> ModelHalf:
+        """What the project knows about the half that trains (`models/halves.py`)."""
+        return model_half(self.component)
 
     def __init__(
         self, cfg: Any, reward_funcs: RewardFuncs | None = None, reward_weights: list[float] | None = None
@@ -283,15 +289,10 @@ class RewardTrainer(ABC):
         """One step: collect, update (unless a reward failed), log, checkpoint. True = stop here."""
         cfg = self.cfg.trainer
         start = time.perf_counter()
-        self.rewards.failures.clear()
-        self.rewards.errors.clear()
-        # A reward's error is held (NaN scores) until every rank has collected: then all act on it together.
-        self.rewards.defer_errors = True
         dist.set_phase("rollout", step + 1)
-        try:
+        # A reward's error is held (NaN scores) until every rank has collected: then all act on it together.
+        with self.rewards.collecting():
             batch = self._collect(step)
-        finally:
-            self.rewards.defer_errors = False
         dist.set_phase("reward gather", step + 1)
         seen = torch.tensor([float(bool(self.rewards.failures)), float(bool(self.rewards.errors))])
         reward_failed, reward_error = (bool(x) for x in dist.all_reduce(seen, op="max"))
@@ -538,14 +539,14 @@ class RewardTrainer(ABC):
         if lora.enabled:
             add_lora_adapters(module, lora)
         else:
-            for sub in self._trainable_submodules(module):
+            for sub in self.half.trained_parts(module):
                 sub.requires_grad_(True)
             if self.cfg.algo.beta > 0:
                 # Full fine-tuning: the KL reference is a frozen copy of the base weights.
                 self.reference = copy.deepcopy(module).requires_grad_(False).eval()
         # Parameters outside the submodules the forward pass uses (e.g. LoRA adapters a target name put into
         # the AR model's vision tower) stay frozen: they would get no gradient, which DDP refuses.
-        used = {id(p) for sub in self._trainable_submodules(module) for p in sub.parameters()}
+        used = {id(p) for sub in self.half.trained_parts(module) for p in sub.parameters()}
         for p in module.parameters():
             if id(p) not in used:
                 p.requires_grad_(False)
@@ -564,10 +565,6 @@ class RewardTrainer(ABC):
     def sharded(self) -> bool:
         """Whether the trained component is sharded over the ranks (FSDP on 2 or more ranks)."""
         return self.parallel.sharded
-
-    def _trainable_submodules(self, module: nn.Module) -> list[nn.Module]:
-        """The parts of the trainable component that the training forward pass uses (default: all of it)."""
-        return [module]
 
     @contextlib.contextmanager
     def reference_model(self):

@@ -20,7 +20,8 @@ from transformers.distributed.fsdp import is_fsdp_managed_module
 from glm_training import distributed as dist
 from glm_training.config import load_config
 from glm_training.errors import UserError
-from glm_training.sharding import SHARD_UNITS, trainable_counts
+from glm_training.models.halves import model_half
+from glm_training.sharding import trainable_counts
 from glm_training.trainers.ar_trainer import ARTrainer
 from glm_training.trainers.dit_trainer import DiTTrainer
 
@@ -46,7 +47,7 @@ def main() -> None:
         local, total = trainable_counts(trainer.trainable)
         # The dtype the first block's weights have while it runs (FSDP2's policy casts the gathered ones).
         seen = set()
-        unit = SHARD_UNITS[kind](trainer.trainable)[0]
+        unit = model_half(kind).shard_units(trainer.trainable)[0]
         hook = unit.register_forward_pre_hook(
             lambda module, args, seen=seen: seen.update(str(p.dtype) for p in module.parameters())
         )

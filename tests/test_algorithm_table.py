@@ -1,0 +1,207 @@
+"""The algorithm table (`config/algorithms.py`): every consumer reads it, and a new decoder algorithm is a
+loss, a trainer class, a config dataclass and one table entry, with nothing else in the package to edit.
+
+Unit tests, plus one short training run of a toy algorithm registered from this file.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from conftest import DIT_SMALL
+from safetensors.torch import load_file
+
+from glm_training.algorithms.flow_grpo import KL_FNS, LOG_RATIOS
+from glm_training.algorithms.nft import DECAY_SCHEDULES, noised_latents
+from glm_training.algorithms.sde import LOG_PROBS
+from glm_training.cli import run
+from glm_training.config import (
+    ALGORITHMS,
+    Algorithm,
+    ConfigError,
+    DiffusionSamplingConfig,
+    DiTTrainConfig,
+    algorithm_of,
+    build_trainer,
+    load_config,
+    load_run_config,
+    option,
+    register_algorithm,
+    schema,
+)
+from glm_training.metrics import read_metrics
+from glm_training.parallel import STRATEGIES
+from glm_training.rewards.combine import COMBINE_FNS
+from glm_training.rollout.dit import SDE_STEPS, predict_velocity
+from glm_training.rollout.nft import keep_for_update, sample_ode
+from glm_training.trainers.ar_trainer import AGGREGATIONS, IMPORTANCE_SAMPLING
+from glm_training.trainers.diffusion_trainer import DiffusionTrainer
+from glm_training.trainers.dit_trainer import WINDOW_STARTS
+from glm_training.trainers.reward_trainer import ADVANTAGE_FNS
+
+
+@pytest.mark.parametrize(
+    "choices, table",
+    [
+        (schema.SCALE_REWARDS, ADVANTAGE_FNS),
+        (schema.REWARD_COMBINES, COMBINE_FNS),
+        (schema.STRATEGIES, STRATEGIES),
+        (schema.SDE_TYPES, SDE_STEPS),
+        (schema.CPS_LOG_PROBS, LOG_PROBS),
+        (schema.SDE_WINDOW_SCHEDULES, WINDOW_STARTS),
+        (schema.DIT_KL_TYPES, KL_FNS),
+        (schema.RATIO_NORMS, LOG_RATIOS),
+        (schema.NFT_DECAY_TYPES, DECAY_SCHEDULES),
+        (schema.IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING),
+        (schema.LOSS_AGGREGATIONS, AGGREGATIONS),
+    ],
+)
+def test_each_choice_list_is_the_keys_of_the_table_it_picks_from(choices, table):
+    # The config spells the choices (so --help needs no torch); a key added to a table must be added there.
+    assert sorted(map(str, choices)) == sorted(map(str, table))
+
+
+def test_every_shipped_algorithm_resolves_from_its_config():
+    for name, algorithm in ALGORITHMS.items():
+        cfg = load_config(config=algorithm.config)
+        assert type(cfg) is algorithm.run_config and cfg.algo.name == name
+        assert algorithm_of(cfg) is algorithm and algorithm.trainer_class().component == algorithm.component
+    # A saved config without algo.name (older runs) is its half's first algorithm.
+    assert algorithm_of({"component": "ar"}).name == "grpo"
+    assert algorithm_of({"component": "dit", "algo": {}}).name == "flow_grpo"
+    with pytest.raises(ConfigError, match="algo.name.*Did you mean 'nft'"):
+        algorithm_of({"component": "dit", "algo": {"name": "nfd"}})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A toy decoder algorithm, defined here as a user would in their own module: reward-weighted flow matching
+# on the policy's own ODE samples (the shape of AWM, simplified). Nothing in glm_training/ names it.
+
+
+def toy_loss(
+    velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """[B] advantage-weighted flow-matching error: weight * mean((v - (noise - x0))^2) per sample."""
+    target = noise.float() - x0.float()
+    return weight * ((velocity.float() - target) ** 2).flatten(1).mean(dim=1)
+
+
+@dataclass
+class ToyConfig:
+    """The toy algorithm's settings."""
+
+    name: str = option("toy", "the DiT algorithm: toy here")
+    beta: float = option(0.0, "no KL term (read by the shared model setup)")
+    scale_rewards: str = option("group", "advantage scaling")
+    adv_clip_max: float = option(5.0, "advantage clip")
+    num_inner_epochs: int = option(1, "passes over each rollout")
+    num_mini_batches: int = option(1, "optimizer steps per rollout")
+    ema: bool = option(False, "no EMA")
+    ema_decay: float = option(0.9, "unused")
+    train_time: float = option(0.5, "the one noise level the update trains at")
+
+
+@dataclass
+class ToyTrainConfig(DiTTrainConfig):
+    """A toy decoder run."""
+
+    run_name: str = option("toy", "output folder name")
+    sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)  # type: ignore[assignment]
+    algo: ToyConfig = field(default_factory=ToyConfig)  # type: ignore[assignment]
+
+    def _check_algorithm(self) -> None:
+        if not 0 < self.algo.train_time < 1:
+            raise ConfigError("algo.train_time", "must be in (0, 1).")
+
+    def rollout_latents_per_sample(self) -> tuple[int, str]:
+        return 1, "1 final latent"
+
+
+@dataclass
+class ToyRollout:
+    samples: list
+
+
+class ToyTrainer(DiffusionTrainer):
+    def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator):
+        final = sample_ode(self.trainable, latents, cond, timesteps, sigmas, guidance_scale=1.0)
+        return keep_for_update(cond, final), final
+
+    def make_rollout(self, chunks, timesteps, sigmas, step):
+        return ToyRollout(chunks)
+
+    def _update(self, batch, step):
+        chunks = batch.rollout.samples
+        sizes = [c.final_latents.shape[0] for c in chunks]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        generator = torch.Generator().manual_seed(self.sample_seed(step))
+
+        def micro_steps(mini):
+            total = sum(sizes[m] for m in mini)
+            for m in mini:
+                weight = batch.advantages[offsets[m] : offsets[m] + sizes[m]].float()
+                noise = torch.randn(chunks[m].final_latents.shape, generator=generator)
+                yield functools.partial(self._loss_and_backward, chunks[m], noise, weight, total)
+
+        update = self.run_update(len(chunks), micro_steps, ("loss",))
+        return self.mean_over_ranks({**update.means, "grad_norm": update.grad_norm})
+
+    def _loss_and_backward(self, chunk, noise, weight, total):
+        x0 = chunk.final_latents.to(self.device)
+        t = torch.full((x0.shape[0],), self.cfg.algo.train_time)
+        x_t = noised_latents(x0, noise.to(self.device), t.to(self.device))
+        timestep = (t * 1000).to(self.device)
+        with self.policy_precision():
+            v = predict_velocity(self.model, x_t, timestep, chunk.cond.to(self.device), 1.0)
+            loss_b = toy_loss(v, x0, noise.to(self.device), weight.to(self.device))
+        self.accelerator.backward(loss_b.sum() / total)
+        return {"loss": loss_b.detach().mean()}
+
+
+@pytest.fixture
+def toy_algorithm():
+    entry = register_algorithm(
+        Algorithm(
+            name="toy",
+            component="dit",
+            run_config=ToyTrainConfig,
+            schema="toy_schema",
+            trainer=ToyTrainer,
+            config="",
+        )
+    )
+    yield entry
+    ALGORITHMS.pop("toy")
+
+
+def test_a_registered_toy_algorithm_trains_through_the_entry_point(tmp_path, tiny_model_dir, toy_algorithm):
+    config = tmp_path / "toy.yaml"
+    config.write_text(
+        "defaults:\n  - toy_schema\n  - model: tiny\n  - _self_\nsampling:\n  guidance_scale: 1.0\n"
+    )
+    out = tmp_path / "run"
+    args = [
+        "--config",
+        str(config),
+        *DIT_SMALL,
+        "trainer.num_steps=1",
+        "optim.lr=1e-2",
+        f"trainer.output_dir={out}",
+    ]
+    assert run("dit", "t2i_training", args) == 0  # train_dit.py's own call: the table picks ToyTrainer
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1] and rows[0]["loss"] != 0 and rows[0]["grad_norm"] > 0
+    ckpt = out / "checkpoints" / "step-000001"
+    trained = load_file(str(ckpt / "trainable.safetensors"))  # the tiny model trains every DiT weight
+    base = load_file(str(next((tiny_model_dir / "transformer").glob("*.safetensors"))))
+    assert trained.keys() == base.keys() and any(not torch.equal(trained[n], base[n]) for n in base)
+    saved = load_run_config(ckpt / "config.yaml")
+    assert type(saved) is ToyTrainConfig and saved.algo.train_time == 0.5
+    with pytest.raises(ConfigError, match="algo.train_time"):
+        load_config(["--config", str(config), "algo.train_time=2"])
+    # The trainer a half's entry point builds must train that half.
+    with pytest.raises(ConfigError, match="train_dit.py"):
+        build_trainer(load_config(["--config", str(config)]), "ar")
