@@ -289,6 +289,17 @@ def build_plan(
         pbytes, kind = 4, f"LoRA r{m.lora.rank}, float32"
         # FSDP shards the adapters with their layers; DDP keeps them whole.
         plan.static.append(Term("trainable (LoRA adapters)", n_train * pbytes / shard, kind))
+    elif m.keeps_master_weights():
+        n_train = sum(_numel(p) for p in parts)
+        pbytes = 4
+        # The trained parameters are float32 masters: 2 more bytes each than the weights term counted.
+        plan.static.append(
+            Term(
+                "float32 master weights",
+                n_train * (pbytes - wbytes) / shard,
+                f"full fine-tuning of a {m.dtype} model: the trained weights in float32 (beyond the above)",
+            )
+        )
     else:
         n_train = sum(_numel(p) for p in parts)
         pbytes, kind = wbytes, f"full fine-tuning, {m.dtype} (counted in the weights above)"
@@ -304,9 +315,9 @@ def build_plan(
     if getattr(cfg.algo, "ema", False):
         plan.static.append(Term("EMA copy", local * pbytes, ""))
     for name in algorithm_of(cfg).policy_copies:
-        # E.g. DiffusionNFT's old (sampling) model: a float32 copy of the adapters, or a frozen copy of the
-        # module.
-        copy_bytes = n_train * (pbytes if m.lora.enabled else wbytes)
+        # E.g. DiffusionNFT's old (sampling) model: a copy of the adapters, or a frozen copy of the module
+        # (of its float32 masters when it has them); the trained weights' own dtype either way.
+        copy_bytes = n_train * pbytes
         plan.static.append(Term(name, copy_bytes / shard, "copy of the trained weights"))
     if not m.lora.enabled and cfg.algo.beta > 0:
         if shard > 1 and cfg.trainer.fsdp_reference_offload:

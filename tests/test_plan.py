@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import GlmImagePipeline
 
-from glm_training.config import load_config
+from glm_training.config import ConfigError, load_config
 from glm_training.models.lora import add_lora_adapters
 from glm_training.models.wrapper import enable_gradient_checkpointing
 from glm_training.plan import (
@@ -65,7 +65,9 @@ def test_lora_count_equals_peft(tiny_model_dir):
 
 
 def test_real_model_sizes_from_configs():
-    plan = build_plan(_cfg("model=glm_image", overrides=["model.lora.enabled=false"]))
+    plan = build_plan(
+        _cfg("model=glm_image", overrides=["model.lora.enabled=false", "model.fp32_master_weights=false"])
+    )
     terms = _terms(plan)
     # The DiT is ~7B parameters, the AR model ~9B plus its 40-layer vision tower (~1.1B): bf16, 2 bytes each.
     assert 6.5e9 < terms["weights: transformer"] / 2 < 7.5e9
@@ -73,6 +75,21 @@ def test_real_model_sizes_from_configs():
     # Full fine-tuning: bf16 gradients and two bf16 AdamW states of every DiT parameter.
     assert terms["gradients"] == terms["weights: transformer"]
     assert terms["optimizer state (AdamW)"] == 2 * terms["weights: transformer"]
+
+
+def test_fp32_master_weights_cost_16_bytes_a_trained_parameter():
+    cfg = _cfg("model=glm_image", overrides=["model.lora.enabled=false"])  # masters by default
+    assert cfg.model.keeps_master_weights() and cfg.trainer.mixed_precision == "bf16"  # "no" -> the model's
+    terms = _terms(build_plan(cfg))
+    bf16 = terms["weights: transformer"]  # 2 bytes a parameter, every DiT parameter trains
+    assert terms["float32 master weights"] == bf16  # + 2 bytes: the weights are 4 bytes each
+    assert terms["gradients"] == 2 * bf16 and terms["optimizer state (AdamW)"] == 4 * bf16
+    assert (
+        bf16 + terms["float32 master weights"] + terms["gradients"] + terms["optimizer state (AdamW)"]
+        == 8 * bf16
+    )
+    with pytest.raises(ConfigError, match="trainer.mixed_precision"):
+        _cfg("model=glm_image", overrides=["model.lora.enabled=false", "trainer.mixed_precision=fp16"])
 
 
 def test_fsdp_divides_the_trained_component_by_the_world_size():
@@ -145,8 +162,8 @@ def test_a_cached_prior_run_plans_no_ar_weights(tmp_path):
 def test_diffusion_nft_plans_its_old_model(lora):
     cfg = load_config(config="nft_training", overrides=["model=glm_image", f"model.lora.enabled={lora}"])
     terms = _terms(build_plan(cfg))
-    # The old model is a copy of what trains: the float32 adapters, or the whole bf16 DiT.
-    expected = terms["trainable (LoRA adapters)"] if lora else terms["weights: transformer"]
+    # The old model is a copy of what trains: the float32 adapters, or the DiT's float32 master weights.
+    expected = terms["trainable (LoRA adapters)"] if lora else 2 * terms["weights: transformer"]
     assert terms["NFT old model"] == pytest.approx(expected)
     assert "NFT old model" not in _terms(build_plan(_cfg("model=glm_image")))
 

@@ -149,6 +149,14 @@ class ModelConfig:
         ),
     )
     shape_num_dit_layers: int = option(1, "DiT blocks of the real-width fixture (model=glm_image_shape only)")
+    fp32_master_weights: bool = option(
+        True,
+        "full fine-tuning of a model loaded in bfloat16 / float16 keeps the trained weights and their "
+        "AdamW state in float32 (master weights; checkpoints keep them, export writes model.dtype) and "
+        "computes in model.dtype through trainer.mixed_precision; the frozen half and the KL reference "
+        "stay in model.dtype. false trains the low-precision weights themselves: an update smaller than "
+        "their rounding is lost (at RL learning rates, most of them). LoRA adapters are float32 either way",
+    )
     lora: LoraConfig = field(default_factory=LoraConfig)
     ar_weights: str = option(
         "",
@@ -179,6 +187,10 @@ class ModelConfig:
         _check(self.stage_timeout_s > 0, "model.stage_timeout_s", "must be > 0 seconds.")
         for key in ("shape_num_ar_layers", "shape_num_dit_layers"):
             _check(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}.")
+
+    def keeps_master_weights(self) -> bool:
+        """Whether the trained weights are float32 masters of a lower-precision model (full fine-tuning)."""
+        return self.fp32_master_weights and not self.lora.enabled and self.dtype != "float32"
 
     def shape_layers(self) -> tuple[int, int]:
         """(AR layers, DiT blocks) of the `glm_image_shape` fixture."""
@@ -414,7 +426,11 @@ class TrainerConfig:
     save_every: int = option(10, "optimizer steps between checkpoints; a final one is always written")
     keep_last: int = option(0, "0 keeps every checkpoint")
     resume: str | None = option(None, 'a checkpoint folder, or "latest" (newest in output_dir)')
-    mixed_precision: str = option("no", "accelerate: no | bf16 | fp16")
+    mixed_precision: str = option(
+        "no",
+        "accelerate: no | bf16 | fp16. With float32 master weights (model.fp32_master_weights) no becomes "
+        "model.dtype's (bf16 for a bfloat16 model): the weights' dtype is the model's",
+    )
     strategy: str = option(
         "ddp",
         (
@@ -928,6 +944,21 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def __post_init__(self) -> None:
+        m = self.model
+        if m.keeps_master_weights():
+            # The weights' dtype is model.dtype: computing "without mixed precision" means computing in it.
+            compute = {"bfloat16": "bf16", "float16": "fp16"}[m.dtype]
+            if self.trainer.mixed_precision == "no":
+                self.trainer.mixed_precision = compute
+            _check(
+                self.trainer.mixed_precision == compute,
+                "trainer.mixed_precision",
+                f"full fine-tuning of a {m.dtype} model keeps float32 master weights and computes in "
+                f"{m.dtype}: set trainer.mixed_precision={compute} (or model.fp32_master_weights=false to "
+                f"train the {m.dtype} weights themselves, or model.lora.enabled=true).",
+            )
+
 
 @dataclass
 class DiTTrainConfig(RunConfig):
@@ -944,6 +975,7 @@ class DiTTrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
+        super().__post_init__()
         self._check_algorithm()
         _check(
             not (self.algo.ema and self.trainer.strategy == "fsdp"),
@@ -1007,6 +1039,7 @@ class ARTrainConfig(RunConfig):
     algo: DAPOConfig = field(default_factory=DAPOConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(
             self.component == "ar",
             "component",

@@ -60,6 +60,7 @@ from glm_training.metrics import MetricsWriter
 from glm_training.models.frozen_weights import apply_weights_source, frozen_weight_sources
 from glm_training.models.halves import ModelHalf, model_half
 from glm_training.models.lora import adapters_disabled, add_lora_adapters
+from glm_training.models.master_weights import computing_like_masters, master_names, upcast_trained_
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
     GLMImageWrapper,
@@ -550,6 +551,20 @@ class RewardTrainer(ABC):
         for p in module.parameters():
             if id(p) not in used:
                 p.requires_grad_(False)
+        # Float32 masters of a bf16 / fp16 full fine-tune (`models/master_weights.py`); after the reference
+        # copy, which stays in the model's dtype.
+        self.master_names: set[str] = set()
+        if self.cfg.model.keeps_master_weights():
+            upcast = upcast_trained_(module)
+            self.master_names = master_names(module)
+            logger.info(
+                "[load] %s: %s trained parameters in float32 (master weights), computed in %s "
+                "(trainer.mixed_precision); the rest stays %s",
+                self.half.attribute,
+                f"{upcast:,}",
+                self.cfg.model.dtype,
+                self.cfg.model.dtype,
+            )
         module.eval()  # no dropout: the recomputed log-probs must equal the rollout's
         if self.cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(module)  # works in eval mode too
@@ -570,6 +585,11 @@ class RewardTrainer(ABC):
     def reference_model(self):
         """The KL reference: the same module with LoRA adapters disabled, or the frozen copy."""
         if self.reference is not None:
+            if self.master_names and not self.parallel.sharded:
+                # It computes with the masters' float32 values, as the policy does (FSDP casts both).
+                with computing_like_masters(self.reference, self.master_names):
+                    yield self.reference
+                return
             yield self.reference
             return
         with adapters_disabled(self.trainable) as module:
@@ -755,7 +775,10 @@ class RewardTrainer(ABC):
         with (
             self._eval_weights(),
             self.parallel.sampling(self.trainable),
-            self.parallel.evaluation_precision(self.policy_precision),
+            # Float32 masters in a bf16 pipeline compute under the policy's autocast, as in training.
+            self.policy_precision()
+            if self.master_names
+            else self.parallel.evaluation_precision(self.policy_precision),
             torch.random.fork_rng(devices=self._rng_devices()),
         ):
             result, images = evaluate_prompts(
