@@ -45,6 +45,7 @@ from glm_training.checkpoint import (
     load_trainable_state_dict,
     trainable_state_dict,
 )
+from glm_training.config import ConfigError
 
 logger = logging.getLogger("glm_training")
 
@@ -111,12 +112,26 @@ class FSDP(DDP):
         super().__init__(accelerator, component, trainer_cfg)
         self.device = accelerator.device
         self.world_size = accelerator.num_processes
+        shard_size = trainer_cfg.fsdp_shard_size
+        if shard_size and (shard_size > self.world_size or self.world_size % shard_size):
+            raise ConfigError(
+                "trainer.fsdp_shard_size",
+                f"{shard_size} does not divide the {self.world_size} ranks; use a divisor (the GPUs of one "
+                "node), or 0 to shard over all ranks.",
+            )
 
     def shard(self, module: nn.Module, reference: nn.Module | None) -> None:
         """Shard in place (one unit per DiT block / GLM decoder layer, then the root); the frozen reference
         copy of a full fine-tune the same way with the same precision policy, so the first KL is exactly 0."""
         t = self.cfg
-        sharding.shard(module, self.component, self.device, self.world_size, t.mixed_precision)
+        sharding.shard(
+            module,
+            self.component,
+            self.device,
+            self.world_size,
+            t.mixed_precision,
+            shard_size=t.fsdp_shard_size,
+        )
         if reference is not None:
             sharding.shard(
                 reference,
@@ -125,6 +140,7 @@ class FSDP(DDP):
                 self.world_size,
                 t.mixed_precision,
                 cpu_offload=t.fsdp_reference_offload,
+                shard_size=t.fsdp_shard_size,
             )
 
     def wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer):

@@ -257,7 +257,8 @@ def build_plan(
     component = cfg.component
     m = cfg.model
     strategy = strategy or cfg.trainer.strategy
-    shard = world_size if strategy == "fsdp" and world_size > 1 else 1
+    # Under FSDP each rank holds 1/shard of the trained half: 1/world, or 1/fsdp_shard_size under HSDP.
+    shard = (cfg.trainer.fsdp_shard_size or world_size) if strategy == "fsdp" and world_size > 1 else 1
     modules = modules if modules is not None else meta_components(m)
     wbytes = DTYPE_BYTES[m.dtype]
     half = model_half(component)

@@ -43,10 +43,16 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def _mesh(device_type: str, world_size: int):
+def _mesh(device_type: str, world_size: int, shard_size: int = 0):
+    """The device mesh: flat (every rank holds 1/world), or HSDP's (replicate, shard) with `shard_size`
+    ranks per shard group, consecutive ranks together (one node's GPUs under torchrun)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world_size,))
+    if not shard_size or shard_size == world_size:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(
+        device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def mixed_precision_policy(mixed_precision: str):
@@ -70,16 +76,19 @@ def shard(
     world_size: int,
     mixed_precision: str = "no",
     cpu_offload: bool = False,
+    shard_size: int = 0,
 ) -> nn.Module:
     """Shard `module` in place over all ranks (the half's `shard_units`, then the root); returns it.
 
     `cpu_offload` keeps the shards in host memory and copies them to `device` for each forward (FSDP2's
-    `CPUOffloadPolicy`; used for the frozen KL reference of a full fine-tune).
+    `CPUOffloadPolicy`; used for the frozen KL reference of a full fine-tune). `shard_size` (0 = all ranks)
+    shards over groups of that many ranks and replicates across the groups (HSDP): the all-gathers stay
+    inside a group (a node's NVLink), and only the gradients cross groups (one all-reduce per step).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kwargs: dict[str, Any] = {
-        "mesh": _mesh(device.type, world_size),
+        "mesh": _mesh(device.type, world_size, shard_size),
         "mp_policy": mixed_precision_policy(mixed_precision),
     }
     if cpu_offload:

@@ -448,6 +448,12 @@ class TrainerConfig:
             "memory, many more all-gathers."
         ),
     )
+    fsdp_shard_size: int = option(
+        0,
+        "fsdp: shard over groups of this many ranks and replicate across the groups (HSDP; set it to the "
+        "GPUs of one node, so the all-gathers stay on the node's NVLink and only gradients cross nodes). "
+        "0 = shard over all ranks. Must divide the number of ranks",
+    )
     fsdp_reference_offload: bool = option(
         False,
         (
@@ -476,6 +482,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_steps >= 1, "trainer.num_steps", "must be >= 1.")
+        _check(self.fsdp_shard_size >= 0, "trainer.fsdp_shard_size", "must be >= 0 (0 = all ranks).")
         _check(
             math.isfinite(self.dist_timeout_s) and self.dist_timeout_s > 0,
             "trainer.dist_timeout_s",
