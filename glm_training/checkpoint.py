@@ -14,19 +14,21 @@ data, and loading one never runs code from its pickles.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import random
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from glm_training.errors import UserError
@@ -43,6 +45,10 @@ SCHEDULER_FILE = "lr_scheduler.pt"
 EMA_FILE = "ema.pt"
 CONFIG_FILE = "config.yaml"
 RNG_FILE = "rng_rank{rank}.pt"  # one per rank
+# A sharded checkpoint (`trainer.checkpoint_format=sharded`): torch.distributed.checkpoint's folder (each
+# rank's `.distcp` files and the `.metadata` index) holding {"model": trained weights, "optim": AdamW state},
+# in place of WEIGHTS_FILE and OPTIMIZER_FILE.
+SHARDS_DIR = "shards"
 
 
 class CheckpointError(UserError, ValueError):
@@ -85,7 +91,8 @@ def resolve_checkpoint(path: Path | str) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint '{path}' does not exist or is not a folder; {CHECKPOINT_LAYOUT}.")
     if (path / STATE_FILE).is_file():
-        missing = [name for name in (WEIGHTS_FILE, CONFIG_FILE) if not (path / name).is_file()]
+        weights = f"{SHARDS_DIR}/.metadata" if (path / SHARDS_DIR).is_dir() else WEIGHTS_FILE
+        missing = [name for name in (weights, CONFIG_FILE) if not (path / name).is_file()]
         if missing:
             raise CheckpointError(
                 f"'{path}' has {STATE_FILE} but lacks {missing}, so it is not a complete checkpoint; "
@@ -199,9 +206,17 @@ def file_sha256(path: Path) -> str:
 
 
 def write_hashes(folder: Path) -> None:
-    """Record the SHA-256 of every file in `folder` (written before the state file marks it complete)."""
+    """Record the SHA-256 of every file in `folder` and its shards folder (before the state file marks it
+    complete), by path relative to `folder`."""
     skip = (STATE_FILE, HASHES_FILE)
-    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in skip)
+    names = sorted(
+        p.relative_to(folder).as_posix()
+        for p in [
+            *folder.iterdir(),
+            *((folder / SHARDS_DIR).iterdir() if (folder / SHARDS_DIR).is_dir() else []),
+        ]
+        if p.is_file() and p.name not in skip
+    )
     hashes = {name: file_sha256(folder / name) for name in names}
     (folder / HASHES_FILE).write_text(json.dumps(hashes, indent=1), encoding="utf-8")
 
@@ -255,6 +270,96 @@ def load_trainable_state_dict(module: nn.Module, state: dict[str, torch.Tensor])
             params[name].copy_(value.to(params[name].device, params[name].dtype))
 
 
+def _state_dict_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, **kwargs)
+
+
+def _no_dist() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _dcp_in_one_process():
+    """DCP warns that it "assumes the intent" when there is no process group: here it is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
+def save_sharded_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, stepped: bool
+) -> None:
+    """Collective: every rank writes its own part of the trained weights and AdamW state (DCP).
+
+    Under FSDP each rank writes its shards; replicated tensors (DDP) are written once. Keyed by parameter
+    name, so the folder loads under any strategy and number of ranks (`load_sharded_state`).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_state_dict_options())}
+    if stepped:  # before the first step there is no state (reading it would take a step of its own)
+        state["optim"] = get_optimizer_state_dict(module, optimizer, options=_state_dict_options())
+    with _dcp_in_one_process():
+        dcp.save(state, checkpoint_id=str(folder), no_dist=_no_dist())
+
+
+def load_sharded_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, stepped: bool
+) -> None:
+    """Collective: a sharded checkpoint's weights and AdamW state into `module` (sharded or not) and
+    `optimizer`; DCP reads each rank's part, whatever the number of ranks that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    names = set(_sharded_entries(folder, "model"))
+    check_trainable_names(module, names)
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_state_dict_options())}
+    if stepped:
+        state["optim"] = get_optimizer_state_dict(module, optimizer, options=_state_dict_options())
+    with _dcp_in_one_process():
+        dcp.load(state, checkpoint_id=str(folder), no_dist=_no_dist())
+    set_model_state_dict(module, state["model"], options=_state_dict_options())
+    if stepped:
+        set_optimizer_state_dict(module, optimizer, state["optim"], options=_state_dict_options())
+
+
+def _sharded_entries(folder: Path, prefix: str) -> dict[str, Any]:
+    """{name: tensor metadata} of the `prefix` ("model" or "optim") entries of a DCP folder's index."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    return {
+        key[len(prefix) + 1 :]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix + ".")
+    }
+
+
+def read_trained_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trained weights as full CPU tensors by name: `trainable.safetensors`, or a sharded
+    checkpoint consolidated in this one process (only the weights are read, not the AdamW state)."""
+    step_dir = Path(step_dir)
+    if not (step_dir / SHARDS_DIR).is_dir():
+        return load_file(str(step_dir / WEIGHTS_FILE))
+    import torch.distributed.checkpoint as dcp
+
+    entries = _sharded_entries(step_dir / SHARDS_DIR, "model")
+    weights = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in entries.items()}
+    with _dcp_in_one_process():
+        dcp.load({"model": weights}, checkpoint_id=str(step_dir / SHARDS_DIR), no_dist=True)
+    return weights
+
+
 def rng_state() -> dict[str, Any]:
     """Every random stream's state, as tensors and plain numbers only (loadable with `weights_only=True`)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -292,15 +397,15 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state).
 
-    `parallel` (`glm_training.parallel`) gathers the weights and optimizer state to rank 0: under FSDP a
-    collective, so the files are the same as an unsharded run's, except that the optimizer state is keyed by
-    parameter name. `extra_files` ({file name: object for `torch.save`}) is a trainer's own state (e.g.
+    `parallel` (`glm_training.parallel`) writes the weights and optimizer state (`save_state`): gathered to
+    rank 0 (`trainable.safetensors`, `optimizer.pt`; under FSDP a collective, the optimizer state keyed by
+    parameter name), or, with `trainer.checkpoint_format=sharded`, each rank its own part (`shards/`, DCP).
+    `extra_files` ({file name: object for `torch.save`}) is a trainer's own state (e.g.
     DiffusionNFT's old model), written inside the same atomic folder.
     """
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     stepped = bool(optimizer.state)  # before the first optimizer step there is no state
-    weights, optimizer_state = parallel.gather_state(module, optimizer, is_main, stepped)
     if is_main:
         if final.exists():
             raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}.")
@@ -308,9 +413,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
+    parallel.save_state(module, optimizer, tmp, is_main, stepped)
     if is_main:
-        save_file(weights, str(tmp / WEIGHTS_FILE))
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if ema_state is not None:
             torch.save(ema_state, tmp / EMA_FILE)
@@ -327,6 +431,7 @@ def save_checkpoint(
                     "step": step,
                     "component": component,
                     "sharded": parallel.sharded,
+                    "format": parallel.checkpoint_format,
                     "optimizer_stepped": stepped,
                 }
             ),
@@ -363,7 +468,9 @@ def load_checkpoint(
     state = read_checkpoint_state(path)
     step = int(state["step"])
     sharded = parallel.sharded
-    if bool(state.get("sharded", False)) != sharded:
+    # A sharded-format checkpoint is keyed by parameter name in its every part: any strategy and number of
+    # ranks reads it. A gathered one's optimizer state has the layout of the strategy that wrote it.
+    if state.get("format") != "sharded" and bool(state.get("sharded", False)) != sharded:
         written = "fsdp" if state.get("sharded") else "ddp"
         now = "sharded" if sharded else "unsharded (ddp, or fsdp in one process)"
         raise CheckpointError(

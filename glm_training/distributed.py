@@ -126,8 +126,13 @@ def make_accelerator(
     (otherwise it silently runs each rank as an independent single process).
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import InitProcessGroupKwargs
 
+    # accelerate keeps one engine state per process and refuses another precision for a later Accelerator:
+    # each trainer (the Python API may build several in one session) sets its own. The process group
+    # (accelerate's PartialState) stays.
+    AcceleratorState._reset_state()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=mixed_precision,

@@ -68,6 +68,7 @@ from glm_training.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     read_checkpoint,
+    read_trained_weights,
 )
 from glm_training.models.lora import add_lora_adapters, merge_lora_adapters, save_lora_adapters
 
@@ -175,11 +176,10 @@ def load_trained_weights(module: nn.Module, info: CheckpointInfo, *, use_ema: bo
     The adapters are built by the trainers' own `add_lora_adapters`, so the parameter names match
     `trainable.safetensors` by construction.
     """
-    from safetensors.torch import load_file
 
     if info.is_lora:
         add_lora_adapters(module, info.model.lora)
-    state = load_file(str(info.path / WEIGHTS_FILE))
+    state = read_trained_weights(info.path)
     params = dict(module.named_parameters())
     unexpected = sorted(set(state) - set(params))
     if unexpected:

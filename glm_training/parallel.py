@@ -9,14 +9,15 @@ The trainer never asks which strategy it runs; it calls these methods at fixed p
     with parallel.sampling(trainable): ...      rollouts and evaluation: the weights to sample with
     with parallel.evaluation_precision(ctx): ...
     parallel.equal_calls                        must every rank make the same forward calls?
-    parallel.gather_state / load_state          what a checkpoint holds, and back
+    parallel.save_state / load_state            what a checkpoint holds (gathered or sharded), and back
 
 * `DDP` (`trainer.strategy=ddp`, and any run in one process): every rank holds the whole component;
   accelerate wraps it in DistributedDataParallel (a no-op in one process), gradients are all-reduced at the
   last backward of each optimizer step only, rank 0 writes the checkpoint.
 * `FSDP` (`trainer.strategy=fsdp` on 2 or more ranks): FSDP2 shards the component in place
   (`sharding.py`), gradients are reduce-scattered at every backward, sampling gathers the component once,
-  and checkpoints are gathered to rank 0 (the same files a DDP run writes, optimizer state keyed by name).
+  and checkpoints are gathered to rank 0 (the same files a DDP run writes, optimizer state keyed by name)
+  or, with `trainer.checkpoint_format=sharded`, written by every rank (DCP), for either strategy.
 
 Handles of the trained component: `trainer.trainable` is the module itself (LoRA injected, sharded in place
 under FSDP): rollouts, evaluation and the KL reference call it. `trainer.model` is what `wrap` returned:
@@ -34,15 +35,18 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from glm_training import sharding
 from glm_training.checkpoint import (
     OPTIMIZER_FILE,
+    SHARDS_DIR,
     WEIGHTS_FILE,
     check_trainable_names,
+    load_sharded_state,
     load_trainable_state_dict,
+    save_sharded_state,
     trainable_state_dict,
 )
 from glm_training.config import ConfigError
@@ -84,6 +88,23 @@ class DDP:
         """Evaluation computes in the weights' dtype (the pipeline's own precision)."""
         return contextlib.nullcontext()
 
+    @property
+    def checkpoint_format(self) -> str:
+        """ "gathered" (rank 0 writes whole files) or "sharded" (each rank writes its part, DCP)."""
+        return self.cfg.checkpoint_format
+
+    def save_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, is_main: bool, stepped: bool
+    ) -> None:
+        """Write the trained weights and optimizer state into the checkpoint folder being written."""
+        if self.checkpoint_format == "sharded":
+            save_sharded_state(module, optimizer, folder / SHARDS_DIR, stepped)
+            return
+        weights, optimizer_state = self.gather_state(module, optimizer, is_main, stepped)
+        if is_main:
+            save_file(weights, str(folder / WEIGHTS_FILE))
+            torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+
     def gather_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, stepped: bool
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -96,6 +117,9 @@ class DDP:
         self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int, stepped: bool
     ) -> None:
         """Every rank reads the checkpoint's weights and optimizer state."""
+        if (path / SHARDS_DIR).is_dir():
+            load_sharded_state(module, optimizer, path / SHARDS_DIR, stepped)
+            return
         load_trainable_state_dict(module, load_file(str(path / WEIGHTS_FILE)))
         optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
 
@@ -179,7 +203,10 @@ class FSDP(DDP):
         self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int, stepped: bool
     ) -> None:
         """Collective: rank 0 reads, every rank's shards receive; the names are checked on every rank
-        first, so all refuse together."""
+        first, so all refuse together. A sharded checkpoint: each rank reads its part (DCP)."""
+        if (path / SHARDS_DIR).is_dir():
+            load_sharded_state(module, optimizer, path / SHARDS_DIR, stepped)
+            return
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
             check_trainable_names(module, set(f.keys()))
         main = rank == 0

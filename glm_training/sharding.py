@@ -18,9 +18,11 @@ Mixed precision: with `trainer.mixed_precision=bf16` the policy computes with bf
 gradients in fp32 (the sharded master weights stay in their loaded dtype); otherwise the parameters'
 own dtype throughout.
 
-Checkpoints are gathered, not sharded (`torch.distributed.checkpoint.state_dict` with `full_state_dict`):
-rank 0 writes the same `trainable.safetensors` a DDP run writes, so export, chaining (`model.dit_weights`)
-and the hashes work unchanged, and a run may resume on another number of ranks. The optimizer state is
+Checkpoints: `trainer.checkpoint_format=sharded` has each rank write its own part (DCP,
+`checkpoint.save_sharded_state`). The default, `gathered`, gathers them (`torch.distributed.checkpoint.
+state_dict` with `full_state_dict`): rank 0 writes the same `trainable.safetensors` a DDP run writes,
+so export, chaining (`model.dit_weights`) and the hashes work unchanged, and a run may resume on another
+number of ranks. The optimizer state is
 written keyed by parameter name. The cost is rank 0's CPU memory for one full copy of the trainable
 parameters and their optimizer state (for a full fine-tune of the 7B DiT in fp32: ~84 GB of host memory),
 gathered one tensor at a time; loading broadcasts from rank 0, so only rank 0 reads the files.

@@ -8,6 +8,7 @@ Every launcher gets `OMP_NUM_THREADS=1` (torchrun sets it itself only for severa
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -28,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(args: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+def _two_nodes(script: str, args: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
     """One launcher per simulated node, started together, each one process; waits for both."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -44,7 +45,7 @@ def _two_nodes(args: list[str], timeout: float = 300) -> list[subprocess.Complet
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=multinode-test",
-                "train_dit.py",
+                script,
                 *args,
             ],
             cwd=REPO,
@@ -71,14 +72,23 @@ def _without_timings(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not (k.endswith("_s") or "time" in k)} for row in rows]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_single_process_nodes_train_like_one_node_of_two(tmp_path, strategy):
-    args = [*ARGS, f"trainer.strategy={strategy}"]
-    one = torchrun("train_dit.py", [*args, f"trainer.output_dir={tmp_path / 'one'}"])
+def test_two_single_process_nodes_train_like_one_node_of_two(tmp_path):
+    # Both strategies in one launch of each kind (tests/scripts/fsdp_check.py runs them one after the other).
+    script = str(REPO / "tests" / "scripts" / "fsdp_check.py")
+
+    def runs(where):
+        return json.dumps(
+            {s: [*ARGS, f"trainer.strategy={s}", f"trainer.output_dir={where / s}"] for s in ("ddp", "fsdp")}
+        )
+
+    one = torchrun(script, [str(tmp_path / "one"), "dit", runs(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-3000:]
-    nodes = _two_nodes([*args, f"trainer.output_dir={tmp_path / 'two'}"])
-    for node in nodes:
+    for node in _two_nodes(script, [str(tmp_path / "two"), "dit", runs(tmp_path / "two")]):
         assert node.returncode == 0, node.stderr[-3000:]
-    reference = _without_timings(read_metrics(tmp_path / "one" / "metrics.jsonl"))
-    assert [r["step"] for r in reference] == [1, 2]
-    assert _without_timings(read_metrics(tmp_path / "two" / "metrics.jsonl")) == reference
+    for strategy in ("ddp", "fsdp"):
+        reference = _without_timings(read_metrics(tmp_path / "one" / strategy / "metrics.jsonl"))
+        assert [r["step"] for r in reference] == [1, 2]
+        assert _without_timings(read_metrics(tmp_path / "two" / strategy / "metrics.jsonl")) == reference
+    # The second run of each launch really was sharded over the two processes.
+    reports = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(rep["fsdp"]["sharded"] and not rep["ddp"]["sharded"] for rep in reports)

@@ -118,3 +118,11 @@ def test_a_trainer_trains_two_steps_with_a_lambda_reward(tmp_path):
     assert "reward/jpeg_compressibility" not in rows[0]
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["reward"]["names"] == ["lambda"] and saved["reward"]["weights"] == [1.0]
+
+
+def test_trainers_of_different_precisions_in_one_session(tmp_path):
+    # accelerate keeps one engine state per process; each trainer sets its own precision.
+    plain = gt.DiTTrainer(gt.load_config(overrides=[*DIT_SMALL, f"hydra.run.dir={tmp_path / 'a'}"]))
+    assert plain.accelerator.mixed_precision == "no"
+    bf16 = [*DIT_SMALL, "trainer.mixed_precision=bf16", f"hydra.run.dir={tmp_path / 'b'}"]
+    assert gt.DiTTrainer(gt.load_config(overrides=bf16)).accelerator.mixed_precision == "bf16"

@@ -72,6 +72,7 @@ DEVICE_MAPS = ("auto", "balanced", "cpu", "cuda")
 SCALE_REWARDS = ("group", "batch", "none")  # trainers/reward_trainer.py ADVANTAGE_FNS
 REWARD_COMBINES = ("weighted_sum", "normalized_sum")  # rewards/combine.py COMBINE_FNS
 STRATEGIES = ("ddp", "fsdp")  # parallel.py STRATEGIES
+CHECKPOINT_FORMATS = ("gathered", "sharded")
 SDE_TYPES = ("flow_sde", "cps")  # rollout/dit.py SDE_STEPS
 CPS_LOG_PROBS = ("flow_grpo", "gaussian")  # algorithms/sde.py LOG_PROBS
 SDE_WINDOW_SCHEDULES = ("random", "progressive")  # trainers/dit_trainer.py WINDOW_STARTS
@@ -425,6 +426,14 @@ class TrainerConfig:
     )
     save_every: int = option(10, "optimizer steps between checkpoints; a final one is always written")
     keep_last: int = option(0, "0 keeps every checkpoint")
+    checkpoint_format: str = option(
+        "gathered",
+        "gathered: rank 0 writes the whole trained weights and AdamW state (trainable.safetensors, "
+        "optimizer.pt; under fsdp gathered one tensor at a time into rank 0's host memory). sharded: each "
+        "rank writes its own part at once (torch.distributed.checkpoint, a shards/ folder): no rank holds "
+        "the whole state; resumes under any strategy and number of ranks; export and model.*_weights "
+        "consolidate it in one process",
+    )
     resume: str | None = option(None, 'a checkpoint folder, or "latest" (newest in output_dir)')
     mixed_precision: str = option(
         "no",
@@ -491,6 +500,7 @@ class TrainerConfig:
         _check(self.max_consecutive_skips >= 0, "trainer.max_consecutive_skips", "must be >= 0 (0 = never).")
         _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = only at the end).")
         _check(self.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 = keep all).")
+        _check_choice(self.checkpoint_format, CHECKPOINT_FORMATS, "trainer.checkpoint_format")
         _check_choice(self.mixed_precision, ("no", "bf16", "fp16"), "trainer.mixed_precision")
         _check(
             self.strategy != "deepspeed",

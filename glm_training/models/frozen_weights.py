@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from glm_training.checkpoint import CheckpointError, CheckpointInfo, read_checkpoint
+from glm_training.checkpoint import SHARDS_DIR, WEIGHTS_FILE, CheckpointError, CheckpointInfo, read_checkpoint
 from glm_training.config import ConfigError
 from glm_training.export import inspect_checkpoints, load_trained_weights
 from glm_training.models.halves import HALVES
@@ -210,7 +210,10 @@ def component_fingerprint(model_cfg: Any, component: str) -> tuple[str, dict[str
     if source is not None:
         parts["weights"] = source.describe()
         if source.info is not None:
-            parts["trained_weights"] = _file_digest(source.info.path / "trainable.safetensors")
+            shards = source.info.path / SHARDS_DIR
+            parts["trained_weights"] = (
+                folder_digest(shards) if shards.is_dir() else _file_digest(source.info.path / WEIGHTS_FILE)
+            )
             lora = source.info.model.lora
             parts["lora"] = (
                 {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
