@@ -96,7 +96,8 @@ def warn_if_slow_bf16(cfg, device: torch.device | str) -> bool:
     if torch.device(device).type != "cpu" or not asks_for_bf16(cfg) or cpu_has_native_bf16():
         return False
     asked, fixes = [], []
-    if cfg.trainer.mixed_precision == "bf16":
+    # With float32 master weights the compute follows model.dtype: changing the dtype changes both.
+    if cfg.trainer.mixed_precision == "bf16" and not cfg.model.keeps_master_weights():
         asked.append("trainer.mixed_precision=bf16")
         fixes.append("trainer.mixed_precision=no")
     if cfg.model.dtype == "bfloat16":
