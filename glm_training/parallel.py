@@ -43,6 +43,7 @@ from glm_training.checkpoint import (
     OPTIMIZER_FILE,
     SHARDS_DIR,
     WEIGHTS_FILE,
+    CheckpointError,
     check_trainable_names,
     load_sharded_state,
     load_trainable_state_dict,
@@ -112,6 +113,13 @@ class DDP:
         if not is_main:
             return {}, {}
         return trainable_state_dict(module), optimizer.state_dict()
+
+    def ema_state(self, ema: Any) -> dict[str, Any]:
+        """The EMA's state for the checkpoint (diffusers' `EMAModel.state_dict`, whole shadow tensors)."""
+        return ema.state_dict()
+
+    def load_ema_state(self, ema: Any, state: dict[str, Any]) -> None:
+        ema.load_state_dict(state)
 
     def load_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int, stepped: bool
@@ -189,6 +197,28 @@ class FSDP(DDP):
         """Sharded weights compute in the policy's dtype (bf16 under mixed precision), so evaluation runs
         under the same autocast as training."""
         return policy_precision()
+
+    def ema_state(self, ema: Any) -> dict[str, Any]:
+        """Collective: the EMA's state with whole shadow tensors (each is sharded like its parameter), so
+        the file is the one a DDP run writes."""
+        state = dict(ema.state_dict())
+        state["shadow_params"] = [sharding.full_tensor(s).cpu() for s in ema.shadow_params]
+        return state
+
+    def load_ema_state(self, ema: Any, state: dict[str, Any]) -> None:
+        """Whole shadow tensors (every rank read the file) into this rank's shards of the EMA."""
+        shadows = ema.shadow_params
+        full = state["shadow_params"]
+        if len(full) != len(shadows):
+            raise CheckpointError(
+                f"the checkpoint's EMA holds {len(full)} shadow parameters for {len(shadows)} trained ones; "
+                "it comes from another model or model.lora setting."
+            )
+        # The scalars only (diffusers deep-copies what it is given); the shadows stay sharded, loaded below.
+        ema.load_state_dict({k: v for k, v in state.items() if k != "shadow_params"})
+        with torch.no_grad():
+            for shadow, value in zip(shadows, full):
+                sharding.copy_full_into_(shadow, value)
 
     def gather_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, stepped: bool

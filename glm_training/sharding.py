@@ -135,6 +135,25 @@ def gathered(module: nn.Module, component: str):
             unit.set_reshard_after_forward(unit is not module, recurse=False)  # as `shard` set them
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Collective for a sharded tensor (DTensor): the whole tensor on every rank; another one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def copy_full_into_(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a whole tensor into `target`: into this rank's shard when `target` is sharded (no communication:
+    every rank has `value`)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        value = distribute_tensor(
+            value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        )
+    target.copy_(value.to(target.device, target.dtype))
+
+
 def local_numel(param: torch.Tensor) -> int:
     """Elements of `param` this rank holds (its shard under FSDP2, all of it otherwise)."""
     from torch.distributed.tensor import DTensor

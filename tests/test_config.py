@@ -100,9 +100,8 @@ def test_entry_points_exit_nonzero_before_loading_any_model(script, args, needle
     [
         (["trainer.strategy=deepspeed"], "trainer.strategy", "trainer.strategy=fsdp"),
         (["trainer.strategy=fsdp", "trainer.mixed_precision=fp16"], "trainer.mixed_precision", "use bf16"),
-        (["trainer.strategy=fsdp", "algo.ema=true"], "algo.ema", "algo.ema=false"),
     ],
-    ids=["deepspeed", "fsdp-fp16", "fsdp-ema"],
+    ids=["deepspeed", "fsdp-fp16"],
 )
 def test_unsupported_engines_are_refused_with_the_fix(overrides, field, needle):
     with pytest.raises(ConfigError, match=field) as info:

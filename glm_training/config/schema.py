@@ -994,12 +994,6 @@ class DiTTrainConfig(RunConfig):
         _check(self.component == "dit", "component", "train_dit.py trains the DiT; use train_ar.py for 'ar'.")
         super().__post_init__()
         self._check_algorithm()
-        _check(
-            not (self.algo.ema and self.trainer.strategy == "fsdp"),
-            "algo.ema",
-            "EMA is not supported with trainer.strategy=fsdp yet (its shadow weights would be sharded); "
-            "set algo.ema=false or trainer.strategy=ddp.",
-        )
 
     def _check_algorithm(self) -> None:
         """The rules that tie the algorithm to the other sections (each decoder algorithm has its own)."""

@@ -673,7 +673,7 @@ class RewardTrainer(ABC):
             module=self.trainable,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            ema_state=self.ema.state_dict() if self.ema is not None else None,
+            ema_state=self.parallel.ema_state(self.ema) if self.ema is not None else None,
             config_yaml=config_to_yaml(self.cfg),
             component=self.component,
             rank=self.rank,
@@ -715,7 +715,7 @@ class RewardTrainer(ABC):
             parallel=self.parallel,
         )
         if self.ema is not None and ema_state is not None:
-            self.ema.load_state_dict(ema_state)
+            self.parallel.load_ema_state(self.ema, ema_state)
         self.load_checkpoint_extras(path)
         self.metrics.truncate_after(step)
         logger.info("resumed from %s at step %d", path, step)
