@@ -811,9 +811,17 @@ class RewardTrainer(ABC):
             yield
             return
         params = [p for p in self.trainable.parameters() if p.requires_grad]
-        self.ema.store(params)
+        # diffusers' store() keeps a CPU copy; a sharded parameter (DTensor) stays where its shard is, so it
+        # is copied in place, on its device (1/world of the weights).
+        sharded = self.parallel.sharded
+        stored = [p.detach().clone() for p in params] if sharded else self.ema.store(params)
         self.ema.copy_to(params)
         try:
             yield
         finally:
-            self.ema.restore(params)
+            if sharded:
+                with torch.no_grad():
+                    for param, value in zip(params, stored):
+                        param.copy_(value)
+            else:
+                self.ema.restore(params)
