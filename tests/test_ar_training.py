@@ -213,3 +213,18 @@ def test_sampling_knobs_default_to_the_pipelines_own():
     assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (None, None, None)
     assert not cfg.sampling.static_cache and not cfg.sampling.compile
     assert cfg.algo.importance_sampling_level == "token" and cfg.algo.min_group_std == 0.0
+
+
+def test_verl_loss_options_train(tmp_path):
+    # The dual clip, the log-ratio clamp and the low-variance KL reach the AR loss (two mini-batches, so the
+    # second is off-policy); the math is golden-tested in tests/test_losses.py.
+    verl = [
+        "algo.clip_ratio_c=3.0",
+        "algo.log_ratio_clamp=20",
+        "algo.kl_low_var_clamp=true",
+        "algo.beta=0.04",
+    ]
+    args = [*AR_SMALL, *verl, "algo.micro_batch_size=1", "algo.num_mini_batches=2", "trainer.num_steps=1"]
+    assert run(ARTrainer, "ar_training", [*args, f"trainer.output_dir={tmp_path}"]) == 0
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert np.isfinite(row["loss"]) and row["grad_norm"] > 0

@@ -131,3 +131,15 @@ def test_base_model_identity_covers_what_picks_a_fixtures_weights():
     # A real checkpoint's weights do not depend on the tiny seed.
     real = ModelConfig(name="zai-org/GLM-Image", tiny_seed=0).base_model_id()
     assert real == ModelConfig(name="zai-org/GLM-Image", tiny_seed=3).base_model_id()
+
+
+def test_verl_loss_options_are_checked():
+    cfg = load_config(
+        ["algo.clip_ratio_c=3.0", "algo.log_ratio_clamp=20", "algo.kl_low_var_clamp=true"], "ar_training"
+    )
+    assert (cfg.algo.clip_ratio_c, cfg.algo.log_ratio_clamp, cfg.algo.kl_low_var_clamp) == (3.0, 20.0, True)
+    assert load_config([], "ar_training").algo.clip_ratio_c is None  # off by default: TRL's loss
+    with pytest.raises(ConfigError, match="algo.clip_ratio_c"):
+        load_config(["algo.clip_ratio_c=0.5"], "ar_training")
+    with pytest.raises(ConfigError, match="algo.clip_ratio_c.*GSPO"):
+        load_config(["algo.importance_sampling_level=sequence", "algo.clip_ratio_c=3.0"], "ar_training")

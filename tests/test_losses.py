@@ -265,3 +265,73 @@ def test_token_loss_golden_for_each_aggregation_and_both_clip_bounds() -> None:
         torch.testing.assert_close(loss, torch.tensor(value), atol=1e-6, rtol=0)
         (grad,) = torch.autograd.grad(loss, log_prob)
         torch.testing.assert_close(grad, grad_expected, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------- verl's dual clip, log-ratio clamp, low-var KL
+
+
+def _verl_vanilla_policy_loss(log_prob, old_log_prob, adv, clip_low, clip_high, clip_ratio_c, clamp):
+    """verl's `compute_policy_loss` (vanilla) per token, written from its formulas: the log-ratio clamped,
+    the two-sided clip taken with max, then for negative advantages the dual clip taken with min."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-clamp, max=clamp)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -adv * ratio
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -adv * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    return torch.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
+
+
+def test_dual_clip_and_log_ratio_clamp_match_verl_values_and_gradients() -> None:
+    g = torch.Generator().manual_seed(0)
+    log_prob = (torch.randn(64, 16, generator=g) * 2.0).requires_grad_(True)  # many ratios far outside
+    old = torch.randn(64, 16, generator=g)
+    adv = torch.randn(64, 1, generator=g) * 2.0
+    ours = clipped_policy_loss(
+        log_prob, old, adv, CLIP_LOW, CLIP_HIGH, clip_ratio_c=3.0, log_ratio_clamp=20.0
+    )
+    (grad,) = torch.autograd.grad(ours.sum(), log_prob)
+    reference_input = log_prob.detach().clone().requires_grad_(True)
+    reference = _verl_vanilla_policy_loss(reference_input, old, adv, CLIP_LOW, CLIP_HIGH, 3.0, 20.0)
+    (reference_grad,) = torch.autograd.grad(reference.sum(), reference_input)
+    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, reference_grad, atol=1e-6, rtol=1e-6)
+    # The dual clip acts here (negative advantages, ratios above 3): without it the losses differ.
+    dual_acts = (adv < 0) & (torch.exp(log_prob.detach() - old) > 3.0)
+    assert dual_acts.any()
+    plain = clipped_policy_loss(log_prob.detach(), old, adv, CLIP_LOW, CLIP_HIGH)
+    assert (plain[dual_acts] > ours.detach()[dual_acts]).all()
+    assert torch.equal(plain[~dual_acts.expand_as(plain)], ours.detach()[~dual_acts.expand_as(plain)])
+
+
+def test_dual_clip_by_hand_and_the_clamp_keeps_huge_ratios_finite() -> None:
+    # A = -1, r = 5: two-sided clip gives max(5, 1.28) = 5; the dual clip caps it at -A c = 3, gradient 0.
+    # A = -1, r = 2: max(2, 1.28) = 2 < 3, unchanged, gradient -A r = 2.
+    # A = +1, r = 5: max(-5, -1.28) = -1.28, the dual clip does not apply.
+    log_prob = torch.log(torch.tensor([5.0, 2.0, 5.0])).requires_grad_(True)
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    loss = clipped_policy_loss(log_prob, torch.zeros(3), adv, CLIP_LOW, CLIP_HIGH, clip_ratio_c=3.0)
+    torch.testing.assert_close(loss, torch.tensor([3.0, 2.0, -1.28]), atol=1e-6, rtol=0)
+    (grad,) = torch.autograd.grad(loss.sum(), log_prob)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 2.0, 0.0]), atol=1e-6, rtol=0)
+    huge = torch.tensor([200.0])  # exp(200) overflows float32
+    assert torch.isinf(clipped_policy_loss(huge, torch.zeros(1), torch.tensor([-1.0]), 0.2, 0.28)).all()
+    clamped = clipped_policy_loss(huge, torch.zeros(1), torch.tensor([-1.0]), 0.2, 0.28, log_ratio_clamp=20.0)
+    torch.testing.assert_close(clamped, torch.exp(torch.tensor([20.0])))
+
+
+def _verl_low_var_kl(log_prob, ref_log_prob):
+    """verl's `kl_penalty(..., "low_var_kl")`, from its formulas."""
+    kl = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+def test_low_variance_k3_clamp_matches_verl_and_is_off_by_default() -> None:
+    g = torch.Generator().manual_seed(1)
+    log_prob = torch.randn(32, 8, generator=g) * 3.0
+    ref = torch.randn(32, 8, generator=g) * 3.0
+    torch.testing.assert_close(k3_kl(log_prob, ref, low_var_clamp=True), _verl_low_var_kl(log_prob, ref))
+    plain = k3_kl(log_prob, ref)
+    assert plain.max() > 10  # the clamp acts on these, and the default leaves them alone
+    torch.testing.assert_close(plain, torch.exp(ref - log_prob) - (ref - log_prob) - 1)

@@ -19,7 +19,14 @@ from torch import Tensor
 
 
 def clipped_policy_loss(
-    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    clip_low: float,
+    clip_high: float,
+    *,
+    clip_ratio_c: float | None = None,
+    log_ratio_clamp: float | None = None,
 ) -> Tensor:
     """Elementwise clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
 
@@ -32,15 +39,27 @@ def clipped_policy_loss(
         old_log_prob: same shape as ``log_prob``.
         advantages: broadcastable to ``log_prob`` (``[B]`` advantages need ``[:, None]`` for ``[B, T]``).
         clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        clip_ratio_c: dual clip (Ye et al., arXiv 1912.09729; verl's ``clip_ratio_c``, default there 3.0):
+            where ``A < 0`` the loss is at most ``-A c``, so a very large ratio of a bad token cannot
+            dominate an off-policy update (its gradient is then 0). None: off (TRL's loss).
+        log_ratio_clamp: the log-ratio is clamped to ``[-v, v]`` before ``exp`` (verl clamps at 20), so a
+            far off-policy token cannot overflow. None: off.
 
     Returns:
         float32, the broadcast shape; not reduced.
     """
-    ratio = torch.exp(log_prob.float() - old_log_prob.detach().float())
+    log_ratio = log_prob.float() - old_log_prob.detach().float()
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
     adv = advantages.detach().float()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped)
+    loss = torch.maximum(unclipped, clipped)
+    if clip_ratio_c is None:
+        return loss
+    dual = torch.minimum(loss, -adv * clip_ratio_c)
+    return torch.where(adv < 0, dual, loss)
 
 
 def _apply_mask(x: Tensor, mask_f: Tensor) -> Tensor:
@@ -107,16 +126,26 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     return kl.mean(dim=tuple(range(1, kl.ndim)))
 
 
-def k3_kl(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+def k3_kl(log_prob: Tensor, ref_log_prob: Tensor, *, low_var_clamp: bool = False) -> Tensor:
     """Schulman's k3 estimator of ``KL(policy || ref)``: ``exp(d) - d - 1`` with ``d = ref - log_prob``.
 
     Unbiased when ``log_prob`` are log-probs of samples drawn from the policy, and ``>= 0`` elementwise.
+    ``low_var_clamp``: verl's ``low_var_kl``, ``d`` clamped to ``[-20, 20]`` and the estimate to
+    ``[-10, 10]`` (bounded gradients for tokens the reference finds very unlikely). Off: TRL's.
 
     Returns:
         float32, the broadcast shape of the inputs; not reduced.
     """
     d = ref_log_prob.float() - log_prob.float()
-    return torch.exp(d) - d - 1.0
+    if not low_var_clamp:
+        return torch.exp(d) - d - 1.0
+    d = d.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return (torch.exp(d) - d - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+
+
+# verl's bounds of its low-variance k3 (`kl_penalty="low_var_kl"`).
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
 
 
 def _check_bt(loss_bt: Tensor, mask_bt: Tensor) -> Tensor:

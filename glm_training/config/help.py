@@ -70,7 +70,9 @@ def _key_lines(node: Any, prefix: str = "") -> list[str]:
             continue
         lines.append(f"  {key}: {f.type} = {_format_value(value)}")
         if f.name in docs:
-            lines += textwrap.wrap(docs[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            lines += textwrap.wrap(
+                docs[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False
+            )
     return lines
 
 

@@ -897,6 +897,22 @@ class DAPOConfig:
     )
     loss_aggregation: str = option("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
     beta: float = option(0.0, "KL (k3) coefficient")
+    clip_ratio_c: float | None = option(
+        None,
+        "dual clip (verl's clip_ratio_c; verl's default 3.0): where the advantage is negative the token loss "
+        "is at most -A c, so one very off-policy bad token cannot dominate a later mini-batch. null = off "
+        "(TRL's loss). Token-level ratios only",
+    )
+    log_ratio_clamp: float | None = option(
+        None,
+        "clamp the token log-ratio to [-v, v] before exp (verl clamps at 20). null = off (TRL). Token-level "
+        "ratios only",
+    )
+    kl_low_var_clamp: bool = option(
+        False,
+        "verl's low_var_kl: the k3 log-ratio clamped to [-20, 20] and the estimate to [-10, 10]. false = "
+        "TRL's unclamped k3",
+    )
     scale_rewards: str = option("group", "advantage scaling: group | batch | none")
     adv_clip_max: float = option(5.0, "advantages are clipped to [-adv_clip_max, adv_clip_max]")
     num_inner_epochs: int = option(1, "passes over each rollout's samples")
@@ -936,6 +952,23 @@ class DAPOConfig:
             "algo.loss_aggregation",
         )
         _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check(
+            self.clip_ratio_c is None or self.clip_ratio_c > 1,
+            "algo.clip_ratio_c",
+            f"must be > 1 (verl's default is 3.0) or null, got {self.clip_ratio_c}.",
+        )
+        _check(
+            self.log_ratio_clamp is None or self.log_ratio_clamp > 0,
+            "algo.log_ratio_clamp",
+            f"must be > 0 (verl: 20) or null, got {self.log_ratio_clamp}.",
+        )
+        _check(
+            self.importance_sampling_level == "token"
+            or (self.clip_ratio_c is None and self.log_ratio_clamp is None),
+            "algo.clip_ratio_c",
+            "the dual clip and the log-ratio clamp act on token ratios; with importance_sampling_level="
+            "sequence (GSPO) set algo.clip_ratio_c and algo.log_ratio_clamp to null.",
+        )
         _check_choice(self.scale_rewards, SCALE_REWARDS, "algo.scale_rewards")
         _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
         _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")

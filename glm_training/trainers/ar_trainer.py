@@ -57,8 +57,8 @@ from glm_training.trainers.reward_trainer import Batch, RewardTrainer
 logger = logging.getLogger("glm_training")
 
 
-def _token_level_loss(new_bt, old_bt, adv_b, mask_bt, clip_low: float, clip_high: float):
-    return clipped_policy_loss(new_bt, old_bt, adv_b[:, None], clip_low, clip_high)
+def _token_level_loss(new_bt, old_bt, adv_b, mask_bt, clip_low: float, clip_high: float, **verl_options):
+    return clipped_policy_loss(new_bt, old_bt, adv_b[:, None], clip_low, clip_high, **verl_options)
 
 
 def _token_level_stats(new_bt, old_bt, mask_bt, clip_low: float, clip_high: float):
@@ -331,9 +331,19 @@ class ARTrainer(RewardTrainer):
         mask = mb.completion_mask.to(self.device)
         with self.policy_precision():
             new = teacher_forced_log_probs(self.model, mb, self.sampling_params)
-            per_token = policy_loss_fn(new, old, adv, mask, a.epsilon_low, a.epsilon_high)
+            # verl's dual clip and log-ratio clamp apply to token ratios (config refuses them with GSPO).
+            verl_options = (
+                {"clip_ratio_c": a.clip_ratio_c, "log_ratio_clamp": a.log_ratio_clamp}
+                if a.importance_sampling_level == "token"
+                else {}
+            )
+            per_token = policy_loss_fn(new, old, adv, mask, a.epsilon_low, a.epsilon_high, **verl_options)
             policy_loss = aggregate(per_token, mask)
-            kl = aggregate(k3_kl(new, ref), mask) if ref is not None else torch.zeros(())
+            kl = (
+                aggregate(k3_kl(new, ref, low_var_clamp=a.kl_low_var_clamp), mask)
+                if ref is not None
+                else torch.zeros(())
+            )
             loss = policy_loss + a.beta * kl
             self.accelerator.backward(loss * weight)
         diag = ratio_stats_fn(new.detach(), old, mask, a.epsilon_low, a.epsilon_high)
