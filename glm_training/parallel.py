@@ -233,10 +233,9 @@ class FSDP(DDP):
         self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int, stepped: bool
     ) -> None:
         """Collective: rank 0 reads, every rank's shards receive; the names are checked on every rank
-        first, so all refuse together. A sharded checkpoint: each rank reads its part (DCP)."""
+        first, so all refuse together. A sharded checkpoint: each rank reads its part (DCP), as under DDP."""
         if (path / SHARDS_DIR).is_dir():
-            load_sharded_state(module, optimizer, path / SHARDS_DIR, stepped)
-            return
+            return super().load_state(module, optimizer, path, rank, stepped)
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
             check_trainable_names(module, set(f.keys()))
         main = rank == 0

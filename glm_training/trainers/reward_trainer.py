@@ -584,16 +584,18 @@ class RewardTrainer(ABC):
     @contextlib.contextmanager
     def reference_model(self):
         """The KL reference: the same module with LoRA adapters disabled, or the frozen copy."""
-        if self.reference is not None:
-            if self.master_names and not self.parallel.sharded:
-                # It computes with the masters' float32 values, as the policy does (FSDP casts both).
-                with computing_like_masters(self.reference, self.master_names):
-                    yield self.reference
-                return
-            yield self.reference
+        if self.reference is None:
+            with adapters_disabled(self.trainable) as module:
+                yield module
             return
-        with adapters_disabled(self.trainable) as module:
-            yield module
+        # Beside float32 masters it computes with their values, as the policy does (FSDP casts both).
+        like_masters = self.master_names and not self.parallel.sharded
+        with (
+            computing_like_masters(self.reference, self.master_names)
+            if like_masters
+            else contextlib.nullcontext()
+        ):
+            yield self.reference
 
     def _build_ema(self):
         if not getattr(self.cfg.algo, "ema", False):
