@@ -7,6 +7,18 @@ weights, the prompt and the seed, not on which rank or batch it lands in, so two
 weights give the same numbers. Each reward is reported as a mean and per prompt; the total is the weighted sum
 of the raw scores (with one image per prompt there is no group to normalise within).
 
+Two guards against reward hacking, both off by default (the default result is unchanged):
+
+- watched rewards (`eval.watch_rewards`): scored on the same images and reported beside the training rewards
+  (`watched`, scalars `eval/watched/<name>`), never in `reward_mean`. A policy that games its reward (JPEG
+  noise for compressibility, text-shaped blobs for OCR) shows up as a watched reward falling while the
+  trained one climbs.
+- text metrics (`eval.text_metrics`), as GLM-Image reports text rendering: for each prompt that carries text
+  (`target_text`: its JSONL `text`, else its quoted text), the text RapidOCR reads in the image is compared
+  with it by word accuracy and normalised edit distance (`rewards/ocr.py`, `word_accuracy` and
+  `normalized_edit_distance`); the overall numbers are means over those prompts, and prompts without text are
+  left out and counted (an evaluation set without any is a `ConfigError` at start-up).
+
 During training (`eval.every_n_steps`) the trainer calls `evaluate_prompts` on its live (or EMA) weights;
 standalone:
 
@@ -30,10 +42,18 @@ from typing import Any
 import torch
 
 from glm_training import distributed as dist
+from glm_training.config import ConfigError
 from glm_training.data import Prompt, PromptFileError, load_prompts
 from glm_training.image_grid import caption, make_image_grid
 from glm_training.models.halves import model_half
-from glm_training.rewards.combine import weighted_sum
+from glm_training.rewards.combine import RewardSet, weighted_sum
+from glm_training.rewards.ocr import (
+    MISSING_TEXT_FIX,
+    OcrReward,
+    normalized_edit_distance,
+    target_text,
+    word_accuracy,
+)
 from glm_training.rollout.dit import generate_prior_tokens, prompt_seed, render_with_pipeline, seeded_latents
 
 logger = logging.getLogger("glm_training")
@@ -73,6 +93,92 @@ def load_eval_prompts(eval_cfg: Any) -> list[Prompt]:
             f"eval.prompt_file: {err}".replace("data.prompt_file", "eval.prompt_file")
         ) from None
     return prompts[: eval_cfg.num_prompts] if eval_cfg.num_prompts else prompts
+
+
+def watched_reward_set(cfg: Any) -> RewardSet | None:
+    """`eval.watch_rewards` as a `RewardSet` built with `eval.watch_reward_options` (weights unused), or None.
+
+    A watched reward that also trains (`reward.names`) watches nothing: a `ConfigError` before any is built.
+    """
+    names = cfg.eval.watch_rewards
+    if not names:
+        return None
+    training = sorted(set(names) & set(cfg.reward.names))
+    if training:
+        raise ConfigError(
+            "eval.watch_rewards",
+            f"{training} also in reward.names, so training optimises them; a watched reward is one "
+            "training never sees. Remove them from eval.watch_rewards (training rewards are reported "
+            "under `rewards`).",
+        )
+    return RewardSet({name: 1.0 for name in names}, dict(cfg.eval.watch_reward_options))
+
+
+def check_eval_prompts(
+    prompts: list[Prompt], reward_sets: list[RewardSet | None], text_metrics: bool
+) -> None:
+    """Every reward's prompt check on the held-out prompts and, with `text_metrics`, that one carries text.
+
+    Runs at start-up, before any model loads. Prompts without text are left out of the text metrics (logged
+    with their count); an evaluation set where none has text is a `ConfigError`.
+    """
+    texts, metadata = [p.text for p in prompts], [p.metadata for p in prompts]
+    for reward_set in reward_sets:
+        if reward_set is not None:
+            reward_set.check_prompts(texts, metadata)
+    if not text_metrics:
+        return
+    num_without = sum(not target_text(t, m) for t, m in zip(texts, metadata))
+    if num_without == len(prompts):
+        raise ConfigError(
+            "eval.text_metrics",
+            f"none of the {len(prompts)} held-out prompts (eval.prompt_file) carries text to read: "
+            f"{MISSING_TEXT_FIX} (e.g. eval.prompt_file=glm_training/data/ocr_eval.jsonl), or set "
+            "eval.text_metrics=false.",
+        )
+    if num_without:
+        logger.warning(
+            "eval.text_metrics: %d of %d held-out prompts carry no text; the text metrics leave them out",
+            num_without,
+            len(prompts),
+        )
+
+
+def text_recogniser(reward_sets: list[RewardSet | None]) -> OcrReward:
+    """The recogniser of the text metrics: the `ocr` reward of a training or watched set (with its options),
+    else one with the OCR reward's defaults."""
+    rewards = [r for reward_set in reward_sets if reward_set is not None for r in reward_set.rewards.values()]
+    return next((r for r in rewards if isinstance(r, OcrReward)), None) or OcrReward()
+
+
+def text_scores(recogniser: OcrReward, image, prompt: Prompt) -> dict[str, Any] | None:
+    """One prompt's text metrics (target, recognised text, word accuracy, NED); None when it has no text."""
+    target = target_text(prompt.text, prompt.metadata)
+    if not target:
+        return None
+    recognised = recogniser.recognise(image)
+    return {
+        "target": target,
+        "recognised": recognised,
+        "word_accuracy": word_accuracy(recognised, target),
+        "normalized_edit_distance": normalized_edit_distance(recognised, target),
+    }
+
+
+def summarise_text_metrics(per_prompt: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The `text_metrics` section: means over the prompts with text (None when none has), and per prompt."""
+    scored = [r for r in per_prompt if r is not None]
+
+    def mean(key: str) -> float | None:
+        return sum(r[key] for r in scored) / len(scored) if scored else None
+
+    return {
+        "num_with_text": len(scored),
+        "num_without_text": len(per_prompt) - len(scored),
+        "word_accuracy": mean("word_accuracy"),
+        "normalized_edit_distance": mean("normalized_edit_distance"),
+        "per_prompt": per_prompt,
+    }
 
 
 def rank_batches(num_prompts: int, batch_size: int, rank: int, world_size: int) -> list[list[int]]:
@@ -149,6 +255,8 @@ def evaluate_prompts(
     num_grid_images: int | None = None,
     prior_tokens: Callable[[list[str]], torch.Tensor] | None = None,
     equal_calls: bool = False,
+    watched: RewardSet | None = None,
+    recogniser: OcrReward | None = None,
 ) -> tuple[dict[str, Any], list]:
     """Sample and score every prompt; ranks take whole batches and gather the scores.
 
@@ -156,18 +264,29 @@ def evaluate_prompts(
     `num_grid_images` images (all when None) travel to rank 0, which alone writes the grid; on other ranks
     the images list is empty. `equal_calls` (a model sharded with FSDP, whose every forward is a
     collective): every rank samples the same number of batches of the same size (`_rank_work`).
+    `watched` adds the `watched` section, `recogniser` the `text_metrics` one (see the module docstring).
     """
-    local = []  # (prompt index, image or None, {reward name: score})
+    local = []  # (prompt index, image or None, {reward: score}, {watched reward: score}, text metrics)
     for batch, num_scored in _rank_work(len(prompts), sampling.batch_size, rank, world_size, equal_calls):
         texts = [prompts[i].text for i in batch]
         images = sample_batch(pipeline, texts, sampling, device, prior_tokens)[:num_scored]
         if not num_scored:
             continue
         batch, texts = batch[:num_scored], texts[:num_scored]
-        parts = reward_set(images, texts, [prompts[i].metadata for i in batch])
+        metadata = [prompts[i].metadata for i in batch]
+        parts = reward_set(images, texts, metadata)
+        watched_parts = watched(images, texts, metadata) if watched is not None else {}
         for j, (i, image) in enumerate(zip(batch, images)):
             keep = num_grid_images is None or i < num_grid_images
-            local.append((i, image if keep else None, {name: float(v[j]) for name, v in parts.items()}))
+            local.append(
+                (
+                    i,
+                    image if keep else None,
+                    {name: float(v[j]) for name, v in parts.items()},
+                    {name: float(v[j]) for name, v in watched_parts.items()},
+                    text_scores(recogniser, image, prompts[i]) if recogniser is not None else None,
+                )
+            )
     gathered = sorted(
         dist.flatten(dist.gather_objects(local)) if world_size > 1 else local, key=lambda r: r[0]
     )
@@ -188,21 +307,47 @@ def evaluate_prompts(
         "total_per_prompt": total.tolist(),
         "prompts": [p.text for p in prompts],
     }
+    if watched is not None:
+        per_watched = {name: torch.tensor([r[3][name] for r in gathered]) for name in watched.names}
+        result["watched"] = {
+            name: {"mean": values.mean().item(), "per_prompt": values.tolist()}
+            for name, values in per_watched.items()
+        }
+    if recogniser is not None:
+        result["text_metrics"] = summarise_text_metrics([r[4] for r in gathered])
     return result, ([r[1] for r in gathered if r[1] is not None] if rank == 0 else [])
 
 
 def eval_scalars(result: dict[str, Any]) -> dict[str, float]:
-    """The scalars logged with the training step: the total mean and each reward's mean."""
+    """The scalars logged with the training step: the total mean and each reward's mean, each watched
+    reward's mean (`eval/watched/<name>`), the text metrics (`eval/text/word_accuracy`, `eval/text/ned`)."""
     scalars = {"eval/reward_mean": result["reward_mean"]}
     scalars.update({f"eval/reward/{name}": r["mean"] for name, r in result["rewards"].items()})
+    scalars.update({f"eval/watched/{name}": r["mean"] for name, r in result.get("watched", {}).items()})
+    text = result.get("text_metrics")
+    if text is not None and text["num_with_text"]:
+        scalars["eval/text/word_accuracy"] = text["word_accuracy"]
+        scalars["eval/text/ned"] = text["normalized_edit_distance"]
     return scalars
 
 
 def grid_samples(result: dict[str, Any], images: list, num_images: int) -> tuple[list, list[str]]:
-    """The first `num_images` images with captions (prompt and total reward)."""
+    """The first `num_images` images with captions (prompt, total reward, watched rewards, text metrics)."""
     shown = images[:num_images]
-    captions = [caption(t, r) for t, r in zip(result["prompts"], result["total_per_prompt"])]
+    captions = [
+        caption(t, r, _caption_extras(result, i))
+        for i, (t, r) in enumerate(zip(result["prompts"], result["total_per_prompt"]))
+    ]
     return shown, captions[: len(shown)]
+
+
+def _caption_extras(result: dict[str, Any], index: int) -> dict[str, float]:
+    extras = {name: r["per_prompt"][index] for name, r in result.get("watched", {}).items()}
+    text = result.get("text_metrics")
+    row = text["per_prompt"][index] if text is not None else None
+    if row is not None:
+        extras.update({"word acc": row["word_accuracy"], "NED": row["normalized_edit_distance"]})
+    return extras
 
 
 def write_evaluation(
@@ -263,7 +408,6 @@ def main(argv: list[str] | None = None) -> int:
 def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
     from glm_training.config import load_config, load_run_config
     from glm_training.logs import setup_logging
-    from glm_training.rewards import RewardSet
 
     setup_logging(True)
     if args.checkpoint:
@@ -290,8 +434,10 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
             else Path(cfg.trainer.output_dir or f"outputs/{cfg.run_name}-base") / "eval"
         )
     prompts = load_eval_prompts(cfg.eval)
+    watched = watched_reward_set(cfg)
     reward_set = RewardSet(cfg.reward.weight_map(), cfg.reward.options, cfg.reward.combine)
-    reward_set.check_prompts([p.text for p in prompts], [p.metadata for p in prompts])
+    check_eval_prompts(prompts, [reward_set, watched], cfg.eval.text_metrics)
+    recogniser = text_recogniser([reward_set, watched]) if cfg.eval.text_metrics else None
     sampling = eval_sampling(cfg)
 
     from glm_training.models.placement import parse_dtype
@@ -312,8 +458,12 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
     device = dist.choose_device(0)
     pipeline.to(device)
     pipeline.set_progress_bar_config(disable=True)
-    result, images = evaluate_prompts(pipeline, prompts, reward_set, sampling, device=device)
+    result, images = evaluate_prompts(
+        pipeline, prompts, reward_set, sampling, device=device, watched=watched, recogniser=recogniser
+    )
     reward_set.close()
+    if watched is not None:
+        watched.close()
     path = write_evaluation(output, step, result, *grid_samples(result, images, cfg.eval.num_grid_images))
     print(json.dumps({"step": step, **eval_scalars(result)}))
     return f"evaluation written to {path}"

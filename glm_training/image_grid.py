@@ -16,6 +16,7 @@ and the image of index `i` has its cell's top-left corner at
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -34,11 +35,17 @@ _ELLIPSIS = "..."  # ASCII: PIL's bitmap fallback font has no U+2026 glyph
 Font = ImageFont.ImageFont | ImageFont.FreeTypeFont
 
 
-def caption(prompt: str, reward: float | None) -> str:
-    """The caption of one sample: `"<prompt> | reward 0.731"`, or the prompt alone when `reward` is None."""
-    if reward is None:
+def caption(prompt: str, reward: float | None, extras: Mapping[str, float] | None = None) -> str:
+    """The caption of one sample: `"<prompt> | reward 0.731"`, or the prompt alone when `reward` is None.
+
+    `extras` (label -> score, e.g. the evaluation's watched rewards) follow the reward in the same tail,
+    `"<prompt> | reward 0.731; jpeg_incompressibility 3.860"`, so a cut caption keeps them with it.
+    """
+    scores = [] if reward is None else [f"reward {float(reward):.3f}"]
+    scores += [f"{label} {float(value):.3f}" for label, value in (extras or {}).items()]
+    if not scores:
         return prompt
-    return f"{prompt}{_CAPTION_SEPARATOR}reward {float(reward):.3f}"
+    return f"{prompt}{_CAPTION_SEPARATOR}{'; '.join(scores)}"
 
 
 def _font_size(cell_width: int) -> int:

@@ -14,6 +14,7 @@ import torch
 from conftest import DIT_SMALL
 from safetensors.torch import load_file
 
+from glm_training.algorithms import awm
 from glm_training.algorithms.flow_grpo import KL_FNS, LOG_RATIOS
 from glm_training.algorithms.nft import DECAY_SCHEDULES, noised_latents
 from glm_training.algorithms.sde import LOG_PROBS
@@ -57,6 +58,9 @@ from glm_training.trainers.reward_trainer import ADVANTAGE_FNS
         (schema.NFT_DECAY_TYPES, DECAY_SCHEDULES),
         (schema.IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING),
         (schema.LOSS_AGGREGATIONS, AGGREGATIONS),
+        (schema.AWM_WEIGHTINGS, awm.WEIGHTINGS),
+        (schema.AWM_TIME_TYPES, awm.TIME_TYPES),
+        (schema.AWM_ANCHOR_DECAY_TYPES, awm.ANCHOR_DECAY_TYPES),
     ],
 )
 def test_each_choice_list_is_the_keys_of_the_table_it_picks_from(choices, table):

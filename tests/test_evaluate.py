@@ -11,6 +11,7 @@ from conftest import DIT_SMALL, PYTHON, REPO, run_cli
 from glm_training.cli import run
 from glm_training.evaluate import main as evaluate_main
 from glm_training.metrics import read_metrics
+from glm_training.rewards.ocr import normalized_edit_distance, word_accuracy
 from glm_training.trainers.ar_trainer import ARTrainer
 from glm_training.trainers.dit_trainer import DiTTrainer
 
@@ -20,11 +21,12 @@ EVAL = ["eval.num_prompts=3", "eval.batch_size=2"]
 
 @pytest.fixture(scope="module")
 def dit_run(tmp_path_factory) -> Path:
-    """Two steps of a small DiT run with EMA and an evaluation (of the EMA weights) at steps 0 and 2."""
+    """Two steps of a small DiT run with EMA and an evaluation (of the EMA weights) at steps 0 and 2, which
+    also watches a reward it does not train on."""
     out = tmp_path_factory.mktemp("dit_eval_run")
     small = [a for a in SMALL if not a.startswith("eval.every_n_steps")]
     args = [*small, *EVAL, "trainer.num_steps=2", "eval.every_n_steps=2", f"trainer.output_dir={out}"]
-    args.append("algo.ema=true")
+    args += ["algo.ema=true", "eval.watch_rewards=[jpeg_incompressibility]"]
     assert run(DiTTrainer, "t2i_training", args) == 0
     return out
 
@@ -43,6 +45,11 @@ def test_standalone_evaluation_is_deterministic_and_matches_training(dit_run, tm
     assert len(a["per_prompt"]) == 3 and len(set(a["per_prompt"])) == 3  # three different images
     # The same (EMA) weights and settings inside the training run gave the same numbers.
     assert _eval_numbers(dit_run / "eval" / "000002.json") == a
+    # The watched reward (from the run's config.yaml) too.
+    watched = [
+        json.loads(p.read_text())["watched"] for p in (first / "000002.json", dit_run / "eval/000002.json")
+    ]
+    assert watched[0] == watched[1]
     # --no-ema evaluates the live weights instead, which differ from their EMA.
     live = tmp_path / "live"
     assert evaluate_main(["--checkpoint", str(dit_run), "--output", str(live), "--no-ema"]) == 0
@@ -55,6 +62,61 @@ def test_standalone_evaluation_is_deterministic_and_matches_training(dit_run, tm
     assert _eval_numbers(base / "000000.json") == _eval_numbers(dit_run / "eval" / "000000.json")
     # And the training changed the weights enough to change the evaluation.
     assert _eval_numbers(dit_run / "eval" / "000000.json") != a
+
+
+def test_watched_reward_is_reported_apart_from_the_trained_one(dit_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    means = {}
+    for step in (0, 2):
+        data = json.loads((dit_run / "eval" / f"{step:06d}.json").read_text())
+        trained = data["rewards"]["jpeg_compressibility"]
+        # The total is the trained reward's alone, as without a watched reward.
+        assert list(data["rewards"]) == ["jpeg_compressibility"]
+        assert data["total_per_prompt"] == trained["per_prompt"] and data["reward_mean"] == trained["mean"]
+        # Incompressibility is +kB, compressibility -kB of the same images' JPEGs.
+        (watched,) = data["watched"].values()
+        assert list(data["watched"]) == ["jpeg_incompressibility"]
+        assert watched["per_prompt"] == [-x for x in trained["per_prompt"]]
+        assert watched["mean"] == pytest.approx(-trained["mean"], rel=1e-6)
+        means[step] = watched["mean"]
+    events = EventAccumulator(str(dit_run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = events.Scalars("eval/watched/jpeg_incompressibility")
+    assert [e.step for e in logged] == [0, 2]
+    assert [e.value for e in logged] == pytest.approx([means[0], means[2]], rel=1e-6)
+    assert read_metrics(dit_run / "metrics.jsonl")[-1]["eval/watched/jpeg_incompressibility"] == means[2]
+
+
+def test_standalone_text_metrics_compare_the_recognised_text(tmp_path, capsys):
+    prompt_file = tmp_path / "text.jsonl"
+    rows = [
+        {"prompt": "a shop sign at night", "text": "Open  LATE"},
+        {"prompt": 'a mug printed with "GLM cafe"'},
+        {"prompt": "a cat on a mat"},  # no text: left out of the text metrics
+    ]
+    prompt_file.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    overrides = [a for a in SMALL if not a.startswith("trainer.")]
+    overrides += ["eval.batch_size=2", f"eval.prompt_file={prompt_file}", "eval.text_metrics=true"]
+    out = tmp_path / "out"
+    assert evaluate_main(["--config", "configs/t2i_training.yaml", "--output", str(out), *overrides]) == 0
+    data = json.loads((out / "000000.json").read_text())
+    text = data["text_metrics"]
+    assert (text["num_with_text"], text["num_without_text"]) == (2, 1)
+    *scored, skipped = text["per_prompt"]
+    assert skipped is None and [r["target"] for r in scored] == ["open late", "glm cafe"]
+    # Tiny random weights draw no legible text, so the numbers are those of whatever RapidOCR read.
+    for r in scored:
+        assert r["word_accuracy"] == word_accuracy(r["recognised"], r["target"])
+        assert r["normalized_edit_distance"] == normalized_edit_distance(r["recognised"], r["target"])
+    assert text["word_accuracy"] == pytest.approx(sum(r["word_accuracy"] for r in scored) / 2)
+    assert text["normalized_edit_distance"] == pytest.approx(
+        sum(r["normalized_edit_distance"] for r in scored) / 2
+    )
+    scalars = json.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("{")))
+    assert scalars["eval/text/word_accuracy"] == text["word_accuracy"]
+    assert scalars["eval/text/ned"] == text["normalized_edit_distance"]
+    assert "watched" not in data and (out / "000000.png").is_file()
 
 
 def test_rank_batches_deal_whole_batches():

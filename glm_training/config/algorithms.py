@@ -18,6 +18,7 @@ from typing import Any
 
 from glm_training.config.schema import (
     ARTrainConfig,
+    AWMTrainConfig,
     ConfigError,
     DiffusionSamplingConfig,
     DiTSamplingConfig,
@@ -97,6 +98,17 @@ register_algorithm(
         policy_copies=("NFT old model",),  # the old (sampling) model
         # Before DiffusionNFT had a sampling section of its own it carried Flow-GRPO's SDE keys, unread.
         retired_keys=tuple(f"sampling.{key}" for key in FLOW_GRPO_SAMPLING_KEYS),
+    )
+)
+register_algorithm(
+    Algorithm(
+        name="awm",
+        component="dit",
+        run_config=AWMTrainConfig,
+        schema="awm_schema",
+        trainer="glm_training.trainers.awm_trainer:AWMTrainer",
+        config="awm_training",
+        policy_copies=("AWM EMA anchor",),  # the KL anchor (algo.ema_beta)
     )
 )
 register_algorithm(

@@ -79,6 +79,9 @@ SDE_WINDOW_SCHEDULES = ("random", "progressive")  # trainers/dit_trainer.py WIND
 DIT_KL_TYPES = ("flow_grpo", "exact", "velocity")  # algorithms/flow_grpo.py KL_FNS
 RATIO_NORMS = ("none", "grpo_guard")  # algorithms/flow_grpo.py LOG_RATIOS
 NFT_DECAY_TYPES = (0, 1, 2)  # algorithms/nft.py DECAY_SCHEDULES
+AWM_WEIGHTINGS = ("ghuber", "huber", "t", "t_squared", "uniform")  # algorithms/awm.py WEIGHTINGS
+AWM_TIME_TYPES = ("discrete_wo_init", "discrete")  # algorithms/awm.py TIME_TYPES
+AWM_ANCHOR_DECAY_TYPES = ("linear", "constant")  # algorithms/awm.py ANCHOR_DECAY_TYPES
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # trainers/ar_trainer.py IMPORTANCE_SAMPLING
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # ar_trainer.py AGGREGATIONS
 
@@ -360,9 +363,44 @@ class EvalConfig:
         4, "prompts per sampling batch (fixed, so results do not depend on the number of ranks)"
     )
     num_grid_images: int = option(16, "images in the eval/<step>.png grid")
+    watch_rewards: list[str] = option(
+        factory=list,
+        help=(
+            "Rewards the evaluation reports but training never optimises (registered names or "
+            "module:function, as reward.names), to catch reward hacking: eval/<step>.json `watched`, "
+            "scalars eval/watched/<name>; not part of reward_mean. None may be in reward.names."
+        ),
+    )
+    watch_reward_options: dict[str, Any] = option(
+        factory=dict, help="per watched reward name: constructor keyword arguments (as reward.options)"
+    )
+    text_metrics: bool = option(
+        False,
+        (
+            "OCR word accuracy and normalised edit distance of the text each held-out prompt asks for "
+            "(its JSONL `text`, else its quoted text; prompts without text are left out and counted): "
+            "eval/<step>.json `text_metrics`, scalars eval/text/word_accuracy and eval/text/ned. Reads "
+            "with the ocr reward's recogniser (RapidOCR, offline; its options when ocr is a training or "
+            "watched reward)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check(self.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0 (0 = no evaluation).")
+        repeated = sorted({n for n in self.watch_rewards if self.watch_rewards.count(n) > 1})
+        _check(not repeated, "eval.watch_rewards", f"names {repeated} more than once; name each once.")
+        _check(
+            all(isinstance(n, str) and n for n in self.watch_rewards),
+            "eval.watch_rewards",
+            "entries must be reward names (registered, or module:function).",
+        )
+        unknown = sorted(set(self.watch_reward_options) - set(self.watch_rewards))
+        _check(
+            not unknown,
+            "eval.watch_reward_options",
+            f"options given for rewards not in eval.watch_rewards: {unknown}; add them there or drop "
+            "their options.",
+        )
         _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0 (0 = all prompts).")
         _check(self.num_inference_steps >= 0, "eval.num_inference_steps", "must be >= 0.")
         _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1.")
@@ -799,6 +837,88 @@ class NFTConfig:
 
 
 @dataclass
+class AWMConfig:
+    """Advantage Weighted Matching (arXiv 2509.25050); defaults are the authors' reference for SD3.5-M OCR.
+
+    The reference is `scxue/advantage_weighted_matching` (`config/dgx_awm.py` `ocr_sd3_no_cfg_1node`,
+    `scripts/train_sd3_awm.py`). The rollout is the policy's own ODE sample (the reference's SA-Solver is a
+    sampler choice the loss never sees; `sampling` has no SDE keys). The update noises each clean latent
+    again at `train_timesteps` times of the schedule and fits the CFG-free velocity to `eps - x_0`, each
+    sample's loss weighted by its advantage. It is on-policy with one optimizer step per rollout.
+    """
+
+    name: str = option("awm", "the DiT algorithm: awm here (configs/t2i_training.yaml trains flow_grpo)")
+    weighting: str = option(
+        "ghuber",
+        (
+            "How the matching error l becomes the loss: ghuber = t ((l + 1e-10)^p - 1e-10^p) / p (the "
+            "reference's default) | huber = t (sqrt(l) - 1e-5) | t = t l | t_squared = t^2 l | uniform = l."
+        ),
+    )
+    ghuber_power: float = option(0.25, "p of the ghuber weighting (the reference's `ghuber_power`)")
+    train_timesteps: int = option(6, "training times per sample and rollout, one per bin of the schedule")
+    timestep_fraction: float = option(
+        0.9, "the bins split the first int(sampling.num_steps * this) steps of the schedule"
+    )
+    time_type: str = option(
+        "discrete_wo_init",
+        (
+            "discrete_wo_init: the bins start at step 1, so the pure-noise step never trains (the "
+            "reference's OCR and GenEval configs) | discrete: they start at step 0 (PickScore)."
+        ),
+    )
+    beta: float = option(
+        0.003,
+        (
+            "KL to the base model, beta * mean((v_theta - v_ref)^2); the reference: 0.003 OCR, 0.001 "
+            "GenEval, 1e-4 PickScore."
+        ),
+    )
+    ema_beta: float = option(
+        1.0, "KL to an EMA anchor of the policy, ema_beta * mean((v_theta - v_anchor)^2) (0 = no anchor)"
+    )
+    kl_ema_decay: float = option(0.3, "the anchor's EMA decay (its cap with kl_ema_decay_type=linear)")
+    kl_ema_decay_type: str = option(
+        "linear", "linear: decay min(kl_ema_decay, 0.001 k) after k optimizer steps | constant"
+    )
+    adv_clip_max: float = option(5.0, "advantages are clipped to +-this, then divided by it")
+    advantage_max: float = option(1.0, "... and multiplied by this: a sample's weight is in +-advantage_max")
+    clip_range: float = option(
+        1.0, "PPO clip of the ratio exp(old loss - loss); on-policy the ratio is exactly 1 (the reference: 1)"
+    )
+    scale_rewards: str = option(
+        "batch", "the reference's per-prompt mean with the global std (global_std=True)"
+    )
+    num_inner_epochs: int = option(1, "passes over each rollout's samples")
+    num_mini_batches: int = option(1, "optimizer steps per rollout (the reference: 1)")
+    ema: bool = option(True, "EMA of the policy for evaluation (the reference's train.ema, decay 0.99)")
+    ema_decay: float = option(0.99, "decay of the evaluation EMA (algo.ema); not the KL anchor")
+
+    def __post_init__(self) -> None:
+        _check(
+            self.name == "awm",
+            "algo.name",
+            f"the awm schema trains AWM; for '{self.name}' use configs/t2i_training.yaml.",
+        )
+        _check_choice(self.weighting, AWM_WEIGHTINGS, "algo.weighting")
+        _check(self.ghuber_power > 0, "algo.ghuber_power", "must be > 0 (the reference: 0.25).")
+        _check(self.train_timesteps >= 1, "algo.train_timesteps", "must be >= 1.")
+        _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
+        _check_choice(self.time_type, AWM_TIME_TYPES, "algo.time_type")
+        _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check(self.ema_beta >= 0, "algo.ema_beta", "must be >= 0 (0 = no EMA anchor).")
+        _check(0 <= self.kl_ema_decay < 1, "algo.kl_ema_decay", "must be in [0, 1).")
+        _check_choice(self.kl_ema_decay_type, AWM_ANCHOR_DECAY_TYPES, "algo.kl_ema_decay_type")
+        _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
+        _check(self.advantage_max > 0, "algo.advantage_max", "must be > 0.")
+        _check(self.clip_range > 0, "algo.clip_range", "must be > 0.")
+        _check_choice(self.scale_rewards, SCALE_REWARDS, "algo.scale_rewards")
+        _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
+        _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+
+
+@dataclass
 class ARSamplingConfig:
     """The AR rollout: image-token sampling, and the frozen DiT that renders each sample for the reward."""
 
@@ -1067,6 +1187,31 @@ class NFTTrainConfig(DiTTrainConfig):
             self.trainer.strategy == "ddp",
             "trainer.strategy",
             f"DiffusionNFT runs under ddp only, got '{self.trainer.strategy}'; set trainer.strategy=ddp.",
+        )
+
+    def rollout_latents_per_sample(self) -> tuple[int, str]:
+        return 1, "1 final latent"  # the clean latents the update noises again
+
+
+@dataclass
+class AWMTrainConfig(DiTTrainConfig):
+    """`python train_dit.py --config configs/awm_training.yaml`: AWM on the GLM-Image DiT decoder.
+
+    Its sampling is the decoder's common one (the policy's ODE: no SDE keys), its algo section AWM's.
+    """
+
+    run_name: str = option("awm", RUN_NAME_HELP)
+    sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)  # type: ignore[assignment]
+    algo: AWMConfig = field(default_factory=AWMConfig)  # type: ignore[assignment]
+
+    def _check_algorithm(self) -> None:
+        # The EMA anchor is a copy of the unsharded trainable weights (or swapped into them), as NFT's old
+        # model: FSDP shards those.
+        _check(
+            self.trainer.strategy == "ddp" or self.algo.ema_beta == 0,
+            "trainer.strategy",
+            f"AWM's EMA anchor runs under ddp only, got '{self.trainer.strategy}'; set trainer.strategy=ddp "
+            "(or algo.ema_beta=0, no anchor).",
         )
 
     def rollout_latents_per_sample(self) -> tuple[int, str]:

@@ -65,7 +65,8 @@ class OldPolicy:
     duration of `module()`. Full fine-tuning: a frozen copy of the module.
     """
 
-    def __init__(self, module: nn.Module, lora: bool):
+    def __init__(self, module: nn.Module, lora: bool, file: str = OLD_POLICY_FILE):
+        self.file = file  # its checkpoint file, named in errors
         self.live = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self.module_ = module
         self.copy: nn.Module | None = None
@@ -102,7 +103,7 @@ class OldPolicy:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.weights):
             raise CheckpointError(
-                f"{OLD_POLICY_FILE} does not match the model being trained; was it written with other "
+                f"{self.file} does not match the model being trained; was it written with other "
                 "model.lora settings?"
             )
         with torch.no_grad():

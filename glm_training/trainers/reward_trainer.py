@@ -46,11 +46,14 @@ from glm_training.config import ConfigError, config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
 from glm_training.environment import log_environment
 from glm_training.evaluate import (
+    check_eval_prompts,
     eval_sampling,
     eval_scalars,
     evaluate_prompts,
     grid_samples,
     load_eval_prompts,
+    text_recogniser,
+    watched_reward_set,
     write_evaluation,
 )
 from glm_training.guards import SkipCounter, nonfinite_groups
@@ -188,10 +191,14 @@ class RewardTrainer(ABC):
             self.cfg = cfg = dataclasses.replace(cfg, reward=reward_cfg)  # config.yaml records them
         self.rewards.check_prompts([p.text for p in self.prompts], [p.metadata for p in self.prompts])
         self.eval_prompts = load_eval_prompts(cfg.eval) if cfg.eval.every_n_steps else []
+        self.watched_rewards = watched_reward_set(cfg) if self.eval_prompts else None
+        self.text_recogniser = None
         if self.eval_prompts:
-            self.rewards.check_prompts(
-                [p.text for p in self.eval_prompts], [p.metadata for p in self.eval_prompts]
-            )
+            check_eval_prompts(self.eval_prompts, [self.rewards, self.watched_rewards], cfg.eval.text_metrics)
+            if cfg.eval.text_metrics:
+                self.text_recogniser = text_recogniser([self.rewards, self.watched_rewards])
+        elif cfg.eval.watch_rewards or cfg.eval.text_metrics:
+            logger.warning("eval.watch_rewards and eval.text_metrics are ignored: eval.every_n_steps=0")
         self.samples_per_rank = cfg.data.per_rank_samples(info.world_size)
 
         self.is_distributed, self.distributed_reason = dist.detect_distributed(strategy=cfg.trainer.strategy)
@@ -282,6 +289,8 @@ class RewardTrainer(ABC):
                 bar.close()
             self.tracker.close(failed=failed)
             self.rewards.close()
+            if self.watched_rewards is not None:
+                self.watched_rewards.close()
         dist.set_phase("shutdown")
         dist.barrier()
         return self.output_dir
@@ -773,6 +782,8 @@ class RewardTrainer(ABC):
         every = self.cfg.eval.every_n_steps
         if not every or not (step % every == 0 or step == self.cfg.trainer.num_steps):
             return {}
+        if self.watched_rewards is not None:
+            self.watched_rewards.policy = self.rewards.policy  # retried as the training rewards are
         # The pipeline's AR stage reseeds the global RNG; training's random streams must not notice.
         with (
             self._eval_weights(),
@@ -794,6 +805,8 @@ class RewardTrainer(ABC):
                 num_grid_images=self.cfg.eval.num_grid_images,
                 prior_tokens=self._eval_prior_tokens(),
                 equal_calls=self.parallel.equal_calls,
+                watched=self.watched_rewards,
+                recogniser=self.text_recogniser,
             )
         scalars = eval_scalars(result)
         if self.is_main:

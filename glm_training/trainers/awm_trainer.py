@@ -1,0 +1,182 @@
+"""`AWMTrainer`: Advantage Weighted Matching (arXiv 2509.25050) on the GLM-Image diffusion decoder.
+
+Follows the authors' reference (`scripts/train_sd3_awm.py`, on-policy as its configs ship):
+- Rollout: the *policy* samples with the pipeline's ODE (`rollout/nft.py`'s sampler; the reference uses an
+  SA-Solver, and AWM's loss does not depend on the sampler); only the clean latents and the conditioning are
+  kept. Prior tokens, rewards and advantages are the diffusion base's (`DiffusionTrainer`).
+- Update: per micro-batch, `algo.train_timesteps` schedule indices (one per bin, `train_time_indices`,
+  shared by the micro-batch) with fresh noise each; the CFG-free velocity is fitted to `eps - x_0` with the
+  advantage-weighted, time-weighted matching loss (`algorithms/awm.py`), averaged over samples and times,
+  plus `algo.beta` times the velocity KL to the base model and `algo.ema_beta` times the one to an EMA
+  anchor of the policy; `num_mini_batches` optimizer steps per rollout. Noise and times come from a generator
+  seeded by (seed, step, rank), so a resumed run draws the same ones.
+- After the update the anchor moves towards the policy: `anchor <- d anchor + (1 - d) policy`, d =
+  `min(kl_ema_decay, 0.001 k)` after k optimizer steps. It is NFT's old-model machinery (`OldPolicy`: a second
+  copy of the LoRA weights swapped in, or a frozen copy of the module) and is saved in every checkpoint.
+
+One deliberate difference: the reference adds the anchor's KL only when `beta > 0` (it sits inside that
+branch); here `ema_beta` acts on its own. Every reference config has `beta > 0`, where the two agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glm_training.algorithms.awm import (
+    advantage_weights,
+    anchor_decay,
+    awm_policy_loss,
+    matching_error,
+    train_time_indices,
+    weighted_matching_loss,
+)
+from glm_training.algorithms.nft import noised_latents, velocity_kl
+from glm_training.checkpoint import CheckpointError
+from glm_training.rollout.dit import predict_velocity
+from glm_training.rollout.nft import NFTSamples, keep_for_update, sample_ode
+from glm_training.trainers.diffusion_trainer import DiffusionTrainer
+from glm_training.trainers.nft_trainer import UPDATE_SEED_OFFSET, OldPolicy
+from glm_training.trainers.reward_trainer import Batch
+
+ANCHOR_FILE = "awm_ema_anchor.pt"
+AWM_STATS = ("loss", "policy_loss", "matching_loss", "kl", "anchor_kl", "weight_mean")
+
+
+@dataclass
+class AWMRollout:
+    samples: list[NFTSamples]  # one per micro-batch, in sample order: clean latents and conditioning
+    timesteps: torch.Tensor  # [T]: the schedule the update's training times are drawn from
+    sigmas: torch.Tensor  # [T + 1]
+
+
+class AWMTrainer(DiffusionTrainer):
+    """AWM: the diffusion rollout frame and advantages, the policy's ODE, the advantage-weighted loss."""
+
+    def _setup_trainable(self, module: nn.Module) -> nn.Module:
+        module = super()._setup_trainable(module)
+        # The EMA anchor starts equal to the policy (the reference copies the adapter before training).
+        self.anchor = None
+        if self.cfg.algo.ema_beta > 0:
+            self.anchor = OldPolicy(module, self.cfg.model.lora.enabled, ANCHOR_FILE)
+        return module
+
+    def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator) -> tuple[Any, torch.Tensor]:
+        """The policy's ODE sample of one micro-batch; keeps x_0 and the conditioning."""
+        s = self.cfg.sampling
+        final = sample_ode(
+            self.trainable,
+            latents,
+            cond,
+            timesteps,
+            sigmas,
+            guidance_scale=s.guidance_scale,
+            batched_cfg=s.batched_cfg,
+        )
+        return keep_for_update(cond, final), final
+
+    def make_rollout(self, chunks, timesteps, sigmas, step) -> AWMRollout:
+        return AWMRollout(chunks, timesteps, sigmas)
+
+    def _update(self, batch: Batch, step: int) -> dict[str, float]:
+        a, s = self.cfg.algo, self.cfg.sampling
+        rollout: AWMRollout = batch.rollout
+        chunks = rollout.samples
+        sizes = [c.final_latents.shape[0] for c in chunks]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        weights = advantage_weights(batch.advantages.float(), a.adv_clip_max, a.advantage_max)
+        generator = torch.Generator().manual_seed(self.sample_seed(step) + UPDATE_SEED_OFFSET)
+
+        def micro_steps(mini: list[int]):
+            num_samples = sum(sizes[m] for m in mini)
+            for m in mini:
+                chunk = chunks[m]
+                w = weights[offsets[m] : offsets[m] + sizes[m]].to(self.device)
+                # The update's own generator: drawn in the same order however far ahead the loop reads.
+                times = train_time_indices(
+                    s.num_steps, a.timestep_fraction, a.train_timesteps, a.time_type, generator
+                )
+                noise = torch.randn((a.train_timesteps, *chunk.final_latents.shape), generator=generator)
+                for j in range(a.train_timesteps):
+                    yield functools.partial(
+                        self._loss_and_backward,
+                        chunk,
+                        int(times[j]),
+                        noise[j],
+                        w,
+                        rollout,
+                        num_samples * a.train_timesteps,
+                    )
+
+        update = self.run_update(len(chunks), micro_steps, AWM_STATS)
+        out = dict(update.means)
+        if self.anchor is not None:
+            # The optimizer-step count is the scheduler's, restored by checkpoints: the decay resumes exactly.
+            decay = anchor_decay(self.lr_scheduler.last_epoch, a.kl_ema_decay, a.kl_ema_decay_type)
+            self.anchor.update(decay)
+            out["anchor_decay"] = decay
+        out["grad_norm"] = update.grad_norm
+        out["num_optimizer_steps"] = float(update.num_optimizer_steps)
+        return self.mean_over_ranks(out)
+
+    def _loss_and_backward(
+        self, chunk: NFTSamples, index: int, noise: torch.Tensor, weights, rollout, denominator: int
+    ) -> dict[str, float]:
+        """AWM loss of one micro-batch at one schedule index; backward of its share of the mean.
+
+        noise [B, C, h, w]; weights [B] clipped, scaled advantages. The forward process takes the schedule's
+        sigma, the DiT the schedule's timestep, as in sampling.
+        """
+        a = self.cfg.algo
+        x0 = chunk.final_latents.to(self.device)
+        batch = x0.shape[0]
+        t = rollout.sigmas[index].expand(batch).to(self.device)
+        timestep = rollout.timesteps[index].expand(batch).to(self.device)
+        noise = noise.to(self.device)
+        x_t = noised_latents(x0, noise, t)
+        cond = chunk.cond.to(self.device)
+        with self.policy_precision():
+            # CFG-free: the conditional velocity only (the reference's train.cfg=False).
+            v = predict_velocity(self.model, x_t, timestep, cond, 1.0)
+            matching_b = weighted_matching_loss(matching_error(v, noise, x0), t, a.weighting, a.ghuber_power)
+            policy_b = awm_policy_loss(matching_b, weights, a.clip_range)
+            kl_b = torch.zeros_like(policy_b)
+            anchor_b = torch.zeros_like(policy_b)
+            if a.beta > 0:
+                with torch.no_grad(), self.reference_model() as reference:
+                    v_ref = predict_velocity(reference, x_t, timestep, cond, 1.0)
+                kl_b = velocity_kl(v, v_ref).to(policy_b.dtype)
+            if self.anchor is not None:
+                with torch.no_grad(), self.anchor.module() as anchor:
+                    v_anchor = predict_velocity(anchor, x_t, timestep, cond, 1.0)
+                anchor_b = velocity_kl(v, v_anchor).to(policy_b.dtype)
+            loss_b = policy_b + a.beta * kl_b + a.ema_beta * anchor_b
+        self.accelerator.backward(loss_b.sum() / denominator)
+        return {
+            "loss": loss_b.detach().mean(),
+            "policy_loss": policy_b.detach().mean(),
+            "matching_loss": matching_b.detach().mean(),
+            "kl": kl_b.detach().mean(),
+            "anchor_kl": anchor_b.detach().mean(),
+            "weight_mean": weights.mean(),
+        }
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        return {ANCHOR_FILE: self.anchor.state_dict()} if self.anchor is not None else {}
+
+    def load_checkpoint_extras(self, path: Path) -> None:
+        if self.anchor is None:
+            return
+        # `path` is the checkpoint rank 0 chose and verified (hashes) for every rank.
+        file = path / ANCHOR_FILE
+        if not file.is_file():
+            raise CheckpointError(
+                f"{file} is missing: the checkpoint was not written by an AWM run with algo.ema_beta > 0; "
+                "resume it with the config it was trained with."
+            )
+        self.anchor.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))

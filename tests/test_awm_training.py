@@ -1,0 +1,86 @@
+"""AWM end to end (`AWMTrainer`): the tiny default run learns; with the reference's KL terms (base model and
+EMA anchor) resume is bit-exact and the anchor is saved; the config selects the trainer and refuses FSDP."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import DIT_SMALL, PYTHON, run_cli
+from safetensors.torch import load_file
+
+from glm_training.cli import run
+from glm_training.config import AWMTrainConfig, ConfigError, load_config
+from glm_training.metrics import read_metrics
+from glm_training.trainers.awm_trainer import ANCHOR_FILE
+
+
+@pytest.mark.slow
+def test_default_awm_run_learns(tmp_path):
+    """`python train_dit.py --config configs/awm_training.yaml`, shortened: tiny model, jpeg reward, CPU."""
+    args = ["--config", "configs/awm_training.yaml", f"trainer.output_dir={tmp_path}", "trainer.num_steps=20"]
+    result = run_cli([PYTHON, "train_dit.py", *args], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert {"loss", "policy_loss", "matching_loss", "weight_mean"} <= set(rows[0])
+    assert "clip_frac" not in rows[0] and "r_mean" not in rows[0]  # the other trainers' statistics
+    rewards = np.array([r["reward_mean"] for r in rows])
+    first, last = rewards[:5].mean(), rewards[-5:].mean()
+    # Per-step noise of the mean reward is ~0.02-0.04 (docs/benchmarks.md has the measured curve).
+    assert last - first > 0.06, rewards.round(3).tolist()
+    evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
+    assert sorted(evals) == [0, 10, 20]
+    assert evals[20]["reward_mean"] > evals[0]["reward_mean"] + 0.05, {
+        s: e["reward_mean"] for s, e in evals.items()
+    }
+
+
+def test_awm_with_both_kls_resumes_bit_exact(tmp_path):
+    """The reference's beta and ema_beta: the anchor lags the policy, is checkpointed and resumes exactly."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = [
+        *DIT_SMALL,
+        "trainer.save_every=2",
+        "algo.beta=0.003",
+        "algo.ema_beta=1.0",
+        "algo.train_timesteps=2",
+        "algo.num_mini_batches=2",
+        "sampling.micro_batch_size=3",
+    ]
+    assert run("dit", "awm_training", [*args, "trainer.num_steps=4", f"trainer.output_dir={full}"]) == 0
+    assert run("dit", "awm_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={part}"]) == 0
+    resumed = [*args, "trainer.num_steps=4", f"trainer.output_dir={part}", "trainer.resume=latest"]
+    assert run("dit", "awm_training", resumed) == 0
+    final_a, final_b = full / "checkpoints" / "step-000004", part / "checkpoints" / "step-000004"
+    a, b = (load_file(str(p / "trainable.safetensors")) for p in (final_a, final_b))
+    assert a.keys() == b.keys() and len(a) > 0
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    anchor_a, anchor_b = (torch.load(p / ANCHOR_FILE, weights_only=True) for p in (final_a, final_b))
+    assert anchor_a.keys() == a.keys() and all(torch.equal(anchor_a[n], anchor_b[n]) for n in a)
+    assert any(not torch.equal(anchor_a[n], a[n]) for n in a)  # an EMA lags the policy
+    rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in rows_part] == [1, 2, 3, 4]
+    for x, y in zip(rows_full, rows_part):
+        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == y["loss"]
+    # Step 1: the anchor is still the base model, so both KLs are the same number (the second mini-batch
+    # sees the first optimizer step); then the anchor follows the policy and its KL is the smaller one.
+    assert rows_full[0]["kl"] == rows_full[0]["anchor_kl"] > 0
+    assert 0 < rows_full[1]["anchor_kl"] < rows_full[1]["kl"]
+    # d = min(0.3, 0.001 k) after k optimizer steps: 2 per rollout.
+    assert [r["anchor_decay"] for r in rows_full] == pytest.approx([0.002, 0.004, 0.006, 0.008])
+    assert rows_full[0]["num_optimizer_steps"] == 2.0
+
+
+def test_the_config_selects_awm_and_its_errors_name_the_fix(tmp_path):
+    cfg = load_config(config="awm_training", overrides=[f"trainer.output_dir={tmp_path}"])
+    assert type(cfg) is AWMTrainConfig and cfg.algo.name == "awm"
+    assert not hasattr(cfg.sampling, "noise_level")  # the policy's ODE: no SDE keys
+    with pytest.raises(ConfigError, match="algo.weighting"):
+        load_config(config="awm_training", overrides=["algo.weighting=l1"])
+    with pytest.raises(ConfigError, match="trainer.strategy=ddp"):
+        load_config(config="awm_training", overrides=["trainer.strategy=fsdp", "algo.ema_beta=1"])
+    # Without the anchor nothing but the trainable weights is kept: FSDP is allowed.
+    assert load_config(config="awm_training", overrides=["trainer.strategy=fsdp"]).algo.ema_beta == 0
