@@ -8,6 +8,10 @@ module imports no trainer: the entry points name the half they train ("dit" or "
 `algo.name` picks the trainer from the algorithm table, `config/algorithms.py`), or pass a class or its
 "module:Class" path; the trainer is imported only when training starts (so `--cfg` and `--help` answer in
 about a second, without torch).
+
+The quick-start configs (`configs/t2i_training.yaml`, ... : each algorithm's `Algorithm.config`) hold the tiny
+model's sizes and learning rate; training the real GLM-Image from one is refused, naming that algorithm's
+recipes in `configs/recipes/` (`docs/recipes.md`), so tiny settings never reach a real-model run.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 from glm_training.errors import report_user_errors
 
-__all__ = ["report_user_errors", "run"]
+__all__ = ["REAL_MODEL", "check_not_quick_start", "recipes_by_algorithm", "report_user_errors", "run"]
+
+REAL_MODEL = "zai-org/GLM-Image"  # configs/model/glm_image.yaml; tests train other names (tiny, fixtures)
 
 
 def run(trainer_cls: type | str, default_config: str, argv: list[str] | None = None) -> int:
@@ -40,6 +47,7 @@ def run(trainer_cls: type | str, default_config: str, argv: list[str] | None = N
             from glm_training.config.help import print_config_text
 
             return print_config_text(cfg, command)
+        check_not_quick_start(cfg, command)
         if trainer_cls in ("dit", "ar"):
             trainer = build_trainer(cfg, trainer_cls)
         else:
@@ -54,3 +62,68 @@ def _trainer_class(trainer_cls: type | str) -> type:
         module, _, name = trainer_cls.partition(":")
         return getattr(importlib.import_module(module), name)
     return trainer_cls
+
+
+def recipes_by_algorithm() -> dict[str, list[str]]:
+    """Each algorithm's recipes (`recipes/<name>`), by the schema each file's defaults list names."""
+    from omegaconf import OmegaConf
+
+    from glm_training.config import ALGORITHMS
+    from glm_training.config.loading import RECIPE_DIR
+
+    by_schema = {algorithm.schema: name for name, algorithm in ALGORITHMS.items()}
+    recipes: dict[str, list[str]] = {}
+    for path in sorted(RECIPE_DIR.glob("*.yaml")):
+        for entry in OmegaConf.load(path).get("defaults", []):
+            schema = entry.lstrip("/") if isinstance(entry, str) else None
+            if schema in by_schema:
+                recipes.setdefault(by_schema[schema], []).append(f"recipes/{path.stem}")
+    return recipes
+
+
+def check_not_quick_start(cfg: Any, command: Any) -> None:
+    """Refuse to train the real GLM-Image from a quick-start config; the error names the recipes to use.
+
+    A quick-start config is a shipped config named by an algorithm's `Algorithm.config`: its sizes, steps and
+    learning rate are the tiny model's (`model=glm_image` on top of it would train the real model at 64x64
+    with a full fine-tuning learning rate on LoRA).
+    """
+    from omegaconf import OmegaConf
+
+    from glm_training.config import ALGORITHMS, CONFIG_DIR, ConfigError, algorithm_of
+
+    quick_starts = {algorithm.config for algorithm in ALGORITHMS.values()}
+    if cfg.model.name != REAL_MODEL or command.config_dir != CONFIG_DIR:
+        return
+    if command.config_name not in quick_starts:
+        return
+    path = CONFIG_DIR / f"{command.config_name}.yaml"
+    shipped = OmegaConf.load(path)
+    height, width, steps, lr = (
+        OmegaConf.select(shipped, key)
+        for key in ("sampling.height", "sampling.width", "sampling.num_steps", "optim.lr")
+    )
+    sizes = [
+        f"{height}x{width}" if height and width else "",
+        f"{steps} steps" if steps else "",
+        f"lr {_short(lr)}" if lr else "",
+    ]
+    held = ", ".join(s for s in sizes if s)
+    algorithm = algorithm_of(cfg).name
+    recipes = recipes_by_algorithm().get(algorithm, [])
+    start = (
+        "start from " + " or ".join(f"--config-name {r}" for r in recipes)
+        if recipes
+        else f"no recipe trains {algorithm} yet: write one in configs/recipes/ with GLM-Image's sizes"
+    )
+    raise ConfigError(
+        "--config",
+        f"configs/{command.config_name}.yaml holds the tiny model's sizes and learning rate"
+        f"{f' ({held})' if held else ''}; for GLM-Image {start} (docs/recipes.md).",
+    )
+
+
+def _short(value: float) -> str:
+    """1e-2 rather than 0.01 or 1e-02."""
+    mantissa, _, exponent = f"{value:.0e}".partition("e")
+    return f"{mantissa}e{int(exponent)}"

@@ -135,6 +135,16 @@ def gathered(module: nn.Module, component: str):
             unit.set_reshard_after_forward(unit is not module, recurse=False)  # as `shard` set them
 
 
+def reshard_all(module: nn.Module) -> None:
+    """Every FSDP unit of `module` back to its shards, so its parameters are the sharded ones again (a unit
+    kept gathered after a forward, as the root is, would otherwise run on its gathered copy)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Collective for a sharded tensor (DTensor): the whole tensor on every rank; another one as it is."""
     from torch.distributed.tensor import DTensor

@@ -4,6 +4,7 @@ Two command-line spellings are accepted by `load_config`:
 
     python train_dit.py --config configs/t2i_training.yaml algo.beta=0.04
     python train_dit.py --config-name t2i_training algo.beta=0.04  # Hydra's (-cn, --config-path)
+    torchrun --nproc_per_node=8 train_dit.py --config-name recipes/flow_grpo_ocr  # a real-model recipe
 
 and Hydra's own flags for one run: `--cfg job|all|hydra` prints the resolved config and exits, `--help` lists
 the groups and every key with its doc (`config/help.py`), `hydra.run.dir=DIR` sets `trainer.output_dir`.
@@ -52,6 +53,9 @@ _REFUSED = {
     ("--experimental-rerun",): "continue a run with trainer.resume=latest instead",
 }
 _REFUSED_FLAGS = {flag: why for flags, why in _REFUSED.items() for flag in flags}
+# Real-model runs (`--config-name recipes/<name>`); a recipe in a subfolder starts with `# @package _global_`
+# and names the schema and the model group absolutely (`- /dit_schema`, `- /model: glm_image`).
+RECIPE_DIR = CONFIG_DIR / "recipes"
 # hydra.<key> overrides that mean something here, as the config key they set.
 HYDRA_KEYS = {"hydra.run.dir": "trainer.output_dir"}
 
@@ -104,12 +108,14 @@ def parse_command_line(argv: list[str], default_config: str) -> CommandLine:
     overrides = _map_hydra_overrides(overrides)
 
     if config_file is not None:
-        path = Path(config_file).expanduser()
-        if path.suffix not in (".yaml", ".yml"):
-            path = path.with_suffix(".yaml")
-        if not path.is_file():
+        path = _config_file(config_file)
+        if path is None:
             raise ConfigError("--config", f"no such file '{config_file}'; available: {available_configs()}.")
-        return CommandLine(path.resolve().parent, path.stem, overrides, print_config, want_help)
+        if path.is_relative_to(CONFIG_DIR):
+            # A shipped config (a recipe too) composes by its name in configs/, as --config-name does.
+            name = path.relative_to(CONFIG_DIR).with_suffix("").as_posix()
+            return CommandLine(CONFIG_DIR, name, overrides, print_config, want_help)
+        return CommandLine(path.parent, path.stem, overrides, print_config, want_help)
     name = config_name or default_config
     name = name[: -len(".yaml")] if name.endswith(".yaml") else name
     directory = Path(config_dir).expanduser().resolve() if config_dir else CONFIG_DIR
@@ -146,8 +152,23 @@ def _map_hydra_overrides(overrides: list[str]) -> list[str]:
     return mapped
 
 
+def _config_file(value: str) -> Path | None:
+    """A `--config` value as an existing YAML file: the path itself, else the same path inside `configs/`
+    (`--config recipes/flow_grpo_ocr`, and `load_config(config="recipes/...")`, which passes a name with a
+    slash as a file)."""
+    path = Path(value).expanduser()
+    if path.suffix not in (".yaml", ".yml"):
+        path = path.with_suffix(".yaml")
+    for candidate in (path, CONFIG_DIR / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
 def available_configs() -> list[str]:
-    return sorted(str(p.relative_to(CONFIG_DIR.parent)) for p in CONFIG_DIR.glob("*.yaml"))
+    """The shipped run configs: tiny quick-starts in `configs/`, real-model recipes in `configs/recipes/`."""
+    files = [*CONFIG_DIR.glob("*.yaml"), *RECIPE_DIR.glob("*.yaml")]
+    return sorted(str(p.relative_to(CONFIG_DIR.parent)) for p in files)
 
 
 def compose_config(command: CommandLine) -> Any:
@@ -204,6 +225,14 @@ def _with_schema(cfg: Any, command: CommandLine) -> Any:
     a plain dict."""
     if is_dataclass(OmegaConf.get_type(cfg)):
         return cfg
+    folder = command.config_name.partition("/")[0] if "/" in command.config_name else None
+    if folder is not None and list(cfg.keys()) == [folder]:
+        raise ConfigError(
+            "defaults",
+            f"{command.config_dir / command.config_name}.yaml sits in the subfolder {folder}/, so Hydra "
+            f"nests it under '{folder}:'; start the file with `# @package _global_` and name the schema and "
+            "the model absolutely (`- /dit_schema`, `- /model: glm_image`), as configs/recipes/*.yaml do.",
+        )
     if cfg.get("component") is None:
         raise ConfigError(
             "defaults",
@@ -224,7 +253,8 @@ def load_config(
     """The validated config dataclass (`DiTTrainConfig` or `ARTrainConfig`) of a command line or of Python.
 
     Command line: `load_config(sys.argv[1:], "t2i_training")`. Python: `load_config(config="ar_training",
-    overrides=["trainer.num_steps=10"])`; `config` is a name in `configs/` or a YAML path, `overrides` Hydra
+    overrides=["trainer.num_steps=10"])`; `config` is a name in `configs/` (`recipes/flow_grpo_ocr` too) or a
+    YAML path, `overrides` Hydra
     overrides (`key=value`, `model=glm_image`, `hydra.run.dir=DIR`). Printing flags (`--cfg`, `--help`) belong
     to the entry points; from Python use `config_to_yaml(cfg)`.
     """
@@ -310,6 +340,7 @@ def config_to_yaml(cfg: Any) -> str:
 __all__ = [
     "CFG_CHOICES",
     "HYDRA_KEYS",
+    "RECIPE_DIR",
     "CommandLine",
     "available_configs",
     "compose_config",

@@ -1181,13 +1181,7 @@ class NFTTrainConfig(DiTTrainConfig):
     algo: NFTConfig = field(default_factory=NFTConfig)  # type: ignore[assignment]
 
     def _check_algorithm(self) -> None:
-        # The old model is a copy of the unsharded trainable weights (or swapped into them): FSDP shards
-        # those, so only DDP keeps the old model's forward passes correct.
-        _check(
-            self.trainer.strategy == "ddp",
-            "trainer.strategy",
-            f"DiffusionNFT runs under ddp only, got '{self.trainer.strategy}'; set trainer.strategy=ddp.",
-        )
+        """Nothing ties DiffusionNFT to the other sections (Flow-GRPO's rule reads SDE keys it has not)."""
 
     def rollout_latents_per_sample(self) -> tuple[int, str]:
         return 1, "1 final latent"  # the clean latents the update noises again
@@ -1204,18 +1198,9 @@ class AWMTrainConfig(DiTTrainConfig):
     sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)  # type: ignore[assignment]
     algo: AWMConfig = field(default_factory=AWMConfig)  # type: ignore[assignment]
 
-    def _check_algorithm(self) -> None:
-        # The EMA anchor is a copy of the unsharded trainable weights (or swapped into them), as NFT's old
-        # model: FSDP shards those.
-        _check(
-            self.trainer.strategy == "ddp" or self.algo.ema_beta == 0,
-            "trainer.strategy",
-            f"AWM's EMA anchor runs under ddp only, got '{self.trainer.strategy}'; set trainer.strategy=ddp "
-            "(or algo.ema_beta=0, no anchor).",
-        )
-
-    def rollout_latents_per_sample(self) -> tuple[int, str]:
-        return 1, "1 final latent"  # the clean latents the update noises again
+    # Both train on the forward process from the rollout's clean latents, with the decoder's common sampling.
+    _check_algorithm = NFTTrainConfig._check_algorithm
+    rollout_latents_per_sample = NFTTrainConfig.rollout_latents_per_sample
 
 
 @dataclass

@@ -63,7 +63,9 @@ class AWMTrainer(DiffusionTrainer):
         # The EMA anchor starts equal to the policy (the reference copies the adapter before training).
         self.anchor = None
         if self.cfg.algo.ema_beta > 0:
-            self.anchor = OldPolicy(module, self.cfg.model.lora.enabled, ANCHOR_FILE)
+            self.anchor = OldPolicy(
+                module, self.cfg.model.lora.enabled, ANCHOR_FILE, sharded=self.parallel.sharded
+            )
         return module
 
     def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator) -> tuple[Any, torch.Tensor]:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from glm_training import sharding
 from glm_training.algorithms.nft import (
     ema_update_,
     nft_loss,
@@ -61,44 +62,87 @@ class NFTRollout:
 class OldPolicy:
     """DiffusionNFT's old model: an EMA of the trainable weights that samples and anchors v+ and v-.
 
-    LoRA: the old adapter weights live beside the module and are swapped in (by reference, no copy) for the
-    duration of `module()`. Full fine-tuning: a frozen copy of the module.
+    Unsharded, LoRA: the old adapter weights live beside the module and are swapped in (by reference, no
+    copy) for the duration of `module()`; full fine-tuning: a frozen copy of the module. Sharded (FSDP): the
+    old weights are shards like the parameters' (1/world each, full fine-tuning included), made at first
+    use, and `module()` copies them into the parameters' shards and back (every unit resharded first, so no
+    gathered copy of the other weights is used); a sharded module's own forward gathers them.
     """
 
-    def __init__(self, module: nn.Module, lora: bool, file: str = OLD_POLICY_FILE):
+    def __init__(self, module: nn.Module, lora: bool, file: str = OLD_POLICY_FILE, sharded: bool = False):
         self.file = file  # its checkpoint file, named in errors
-        self.live = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self.module_ = module
+        self.sharded = sharded
         self.copy: nn.Module | None = None
+        self._weights: dict[str, torch.Tensor] | None = None
+        self._swapped_in = False
+        if sharded:
+            return  # the module is sharded after this: the shards are copied at first use
+        live = self._live()
         if lora:
-            self.weights = {n: p.detach().clone() for n, p in self.live.items()}
+            self._weights = {n: p.detach().clone() for n, p in live.items()}
         else:
             self.copy = copy.deepcopy(module).requires_grad_(False).eval()
             params = dict(self.copy.named_parameters())
-            self.weights = {n: params[n] for n in self.live}
+            self._weights = {n: params[n] for n in live}
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.module_.named_parameters() if p.requires_grad}
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self._weights is None:  # sharded: the policy's shards at first use (the old model starts equal)
+            with torch.no_grad():
+                self._weights = {n: p.detach().clone() for n, p in self._live().items()}
+        return self._weights
 
     @contextlib.contextmanager
     def module(self) -> Iterator[nn.Module]:
-        """The old model to call (under no_grad): the frozen copy, or the module with the old adapters in."""
-        if self.copy is not None:
-            yield self.copy
+        """The old model to call (under no_grad): the frozen copy, or the module with the old weights in."""
+        if self.copy is not None or self._swapped_in:
+            yield self.copy if self.copy is not None else self.module_
             return
-        current = {n: p.data for n, p in self.live.items()}
+        if self.sharded:
+            with self._copied_in():
+                yield self.module_
+            return
+        live = self._live()
+        current = {n: p.data for n, p in live.items()}
         try:
-            for n, p in self.live.items():
+            for n, p in live.items():
                 p.data = self.weights[n].data
             yield self.module_
         finally:
-            for n, p in self.live.items():
+            for n, p in live.items():
                 p.data = current[n]
+
+    @contextlib.contextmanager
+    def _copied_in(self) -> Iterator[None]:
+        sharding.reshard_all(self.module_)
+        live = self._live()
+        with torch.no_grad():
+            stash = {n: p.detach().clone() for n, p in live.items()}
+            for n, p in live.items():
+                p.copy_(self.weights[n])
+        self._swapped_in = True
+        try:
+            yield
+        finally:
+            self._swapped_in = False
+            sharding.reshard_all(self.module_)
+            with torch.no_grad():
+                for n, p in live.items():
+                    p.copy_(stash[n])
 
     def update(self, decay: float) -> None:
         """`old <- decay * old + (1 - decay) * current` (the reference's update after every rollout)."""
-        names = list(self.live)
-        ema_update_([self.weights[n] for n in names], [self.live[n] for n in names], decay)
+        live = self._live()
+        names = list(live)
+        ema_update_([self.weights[n] for n in names], [live[n] for n in names], decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: w.detach().cpu().clone() for n, w in self.weights.items()}
+        """Whole tensors on CPU (collective when sharded: the file is the one an unsharded run writes)."""
+        return {n: sharding.full_tensor(w.detach()).cpu().clone() for n, w in self.weights.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.weights):
@@ -108,7 +152,7 @@ class OldPolicy:
             )
         with torch.no_grad():
             for n, w in self.weights.items():
-                w.copy_(state[n].to(w.device, w.dtype))
+                sharding.copy_full_into_(w, state[n])
 
 
 class NFTTrainer(DiffusionTrainer):
@@ -117,7 +161,7 @@ class NFTTrainer(DiffusionTrainer):
     def _setup_trainable(self, module: nn.Module) -> nn.Module:
         module = super()._setup_trainable(module)
         # Starts equal to the policy (the reference copies the adapter before the first rollout).
-        self.old_policy = OldPolicy(module, self.cfg.model.lora.enabled)
+        self.old_policy = OldPolicy(module, self.cfg.model.lora.enabled, sharded=self.parallel.sharded)
         return module
 
     def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator) -> tuple[Any, torch.Tensor]:

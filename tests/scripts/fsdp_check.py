@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc_per_node=2` by tests/test_fsdp.py: several short runs of one trainer.
 
-argv: OUT KIND RUNS_JSON. KIND is "dit" or "ar"; RUNS_JSON maps a run name to its config overrides, run in
+argv: OUT KIND RUNS_JSON. KIND is "dit" or "ar"; RUNS_JSON maps a run name to its config overrides (which may
+start with `--config-name NAME` for another algorithm's config; its `algo.name` picks the trainer), run in
 order (a later run may resume from an earlier one's checkpoint; a name ending in "!error" must be
 refused, and its message is reported). Each run writes its own output folder
 (the overrides name it); rank r writes `<OUT>/rank<r>.json`: per run, whether the trainable component
@@ -18,19 +19,17 @@ from accelerate.state import AcceleratorState
 from transformers.distributed.fsdp import is_fsdp_managed_module
 
 from glm_training import distributed as dist
-from glm_training.config import load_config
+from glm_training.config import build_trainer, load_config
 from glm_training.errors import UserError
 from glm_training.models.halves import model_half
 from glm_training.sharding import trainable_counts
-from glm_training.trainers.ar_trainer import ARTrainer
-from glm_training.trainers.dit_trainer import DiTTrainer
 
-TRAINERS = {"dit": (DiTTrainer, "t2i_training"), "ar": (ARTrainer, "ar_training")}
+CONFIGS = {"dit": "t2i_training", "ar": "ar_training"}
 
 
 def main() -> None:
     out, kind, runs = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-    trainer_cls, config = TRAINERS[kind]
+    config = CONFIGS[kind]
     report = {}
     for name, overrides in runs.items():
         # accelerate keeps one engine state per process; each run sets its own precision (the process group,
@@ -38,12 +37,12 @@ def main() -> None:
         AcceleratorState._reset_state()
         if name.endswith("!error"):  # a run that must be refused: its message is the report
             try:
-                trainer_cls(load_config(overrides, config))
+                build_trainer(load_config(overrides, config), kind)
             except UserError as err:
                 report[name] = {"error": str(err)}
                 continue
             raise AssertionError(f"run {name} was not refused")
-        trainer = trainer_cls(load_config(overrides, config))
+        trainer = build_trainer(load_config(overrides, config), kind)
         local, total = trainable_counts(trainer.trainable)
         # The dtype the first block's weights have while it runs (FSDP2's policy casts the gathered ones).
         seen = set()
