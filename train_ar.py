@@ -1,8 +1,7 @@
 """GRPO/DAPO reward training of the GLM-Image autoregressive model.
 
 python train_ar.py                                           # tiny offline model, CPU, a few minutes
-python train_ar.py --config configs/ar_training.yaml model=glm_image reward.names=[pickscore] ...
-torchrun --nproc_per_node=8 train_ar.py --config configs/ar_training.yaml model=glm_image ...
+torchrun --nproc_per_node=8 train_ar.py --config-name recipes/dapo_aesthetic_alignment  # docs/recipes.md
 
 The trainer comes from the algorithm table (`glm_training/config/algorithms.py`) when training starts:
 --cfg and --help answer without loading torch.

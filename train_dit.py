@@ -1,9 +1,9 @@
-"""Reward training of the GLM-Image DiT decoder: Flow-GRPO, or DiffusionNFT with configs/nft_training.yaml.
+"""Reward training of the GLM-Image DiT decoder: Flow-GRPO, DiffusionNFT or AWM (the config's `algo.name`).
 
-python train_dit.py                                          # tiny offline model, CPU, a few minutes
+python train_dit.py                                          # Flow-GRPO, tiny offline model, CPU, minutes
 python train_dit.py --config configs/nft_training.yaml      # DiffusionNFT, tiny model, about a minute
-python train_dit.py --config configs/t2i_training.yaml model=glm_image reward.names=[ocr] ...
-torchrun --nproc_per_node=8 train_dit.py --config configs/t2i_training.yaml model=glm_image ...
+python train_dit.py --config configs/awm_training.yaml      # AWM, tiny model, about a minute
+torchrun --nproc_per_node=8 train_dit.py --config-name recipes/flow_grpo_fast_ocr  # GLM-Image, see recipes
 
 `algo.name` picks the trainer from the algorithm table (`glm_training/config/algorithms.py`); it is imported
 when training starts, so that --cfg and --help answer without loading torch.

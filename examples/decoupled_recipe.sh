@@ -10,13 +10,13 @@
 # The defaults run the tiny offline model on CPU in a few minutes. The JPEG rewards stand in for the real
 # ones: compressibility favours smooth, low-detail images (GLM-Image's AR stage used aesthetics and
 # alignment), incompressibility favours detail (its DiT stage used text accuracy and detail). On the real
-# model, pass model=glm_image and real rewards through the *_ARGS variables, e.g.
+# model, name a recipe for each stage (docs/recipes.md; they hold the real model and its rewards), e.g.
 #
-#   AR_ARGS="model=glm_image reward.names=[aesthetic]" DIT_ARGS="model=glm_image reward.names=[ocr] ..." \
-#     PYTHON="torchrun --nproc_per_node=8" examples/decoupled_recipe.sh
+#   AR_CONFIG=recipes/dapo_aesthetic_alignment DIT_CONFIG=recipes/flow_grpo_fast_ocr AR_ARGS= DIT_ARGS= \
+#     AR_STEPS=300 DIT_STEPS=500 PYTHON="torchrun --nproc_per_node=8" examples/decoupled_recipe.sh
 #
-# Environment: OUT (output folder), PYTHON (interpreter or launcher), AR_STEPS, DIT_STEPS, NUM_PRIORS,
-# AR_ARGS / DIT_ARGS (extra key=value overrides; DIT_ARGS also go to the priors command, so the cache is made
+# Environment: OUT (output folder), PYTHON (interpreter or launcher), AR_CONFIG / DIT_CONFIG (a config in
+# configs/, default the tiny quick-starts), AR_STEPS, DIT_STEPS, NUM_PRIORS, AR_ARGS / DIT_ARGS (extra key=value overrides; DIT_ARGS also go to the priors command, so the cache is made
 # at the DiT run's resolution and evaluation settings). A stage whose result exists is skipped, so a rerun
 # continues where a previous one stopped.
 set -euo pipefail
@@ -27,6 +27,8 @@ PYTHON=${PYTHON:-python}
 AR_STEPS=${AR_STEPS:-30}
 DIT_STEPS=${DIT_STEPS:-40}
 NUM_PRIORS=${NUM_PRIORS:-4}
+AR_CONFIG=${AR_CONFIG:-ar_training}
+DIT_CONFIG=${DIT_CONFIG:-t2i_training}
 AR_ARGS=${AR_ARGS:-"reward.names=[jpeg_compressibility]"}
 DIT_ARGS=${DIT_ARGS:-"reward.names=[jpeg_incompressibility]"}
 
@@ -35,14 +37,14 @@ final_checkpoint() { printf '%s/checkpoints/step-%06d/trainer_state.json' "$1" "
 echo "== 1/4 AR RL (low-frequency reward) -> $OUT/ar"
 if [[ ! -f $(final_checkpoint "$OUT/ar" "$AR_STEPS") ]]; then
     # shellcheck disable=SC2086
-    $PYTHON train_ar.py --config configs/ar_training.yaml trainer.num_steps="$AR_STEPS" \
+    $PYTHON train_ar.py --config "$AR_CONFIG" trainer.num_steps="$AR_STEPS" \
         eval.every_n_steps="$AR_STEPS" trainer.output_dir="$OUT/ar" trainer.progress_bar=false $AR_ARGS
 fi
 
 echo "== 2/4 prior tokens from the trained AR model -> $OUT/priors"
 if [[ ! -f $OUT/priors/manifest.json ]]; then
     # shellcheck disable=SC2086
-    $PYTHON -m glm_training.priors --config configs/t2i_training.yaml --output "$OUT/priors" \
+    $PYTHON -m glm_training.priors --config "$DIT_CONFIG" --output "$OUT/priors" \
         --num-priors-per-prompt "$NUM_PRIORS" model.ar_weights="$OUT/ar" eval.every_n_steps="$DIT_STEPS" \
         $DIT_ARGS
 fi
@@ -50,7 +52,7 @@ fi
 echo "== 3/4 DiT RL (high-frequency reward) on the cached priors -> $OUT/dit"
 if [[ ! -f $(final_checkpoint "$OUT/dit" "$DIT_STEPS") ]]; then
     # shellcheck disable=SC2086
-    $PYTHON train_dit.py --config configs/t2i_training.yaml data.prior_cache="$OUT/priors" \
+    $PYTHON train_dit.py --config "$DIT_CONFIG" data.prior_cache="$OUT/priors" \
         model.ar_weights="$OUT/ar" trainer.num_steps="$DIT_STEPS" eval.every_n_steps="$DIT_STEPS" \
         trainer.output_dir="$OUT/dit" trainer.progress_bar=false $DIT_ARGS
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # N nodes x 8 GPUs under SLURM: one torchrun per node, meeting through a c10d rendezvous on the first node.
 #
-#   sbatch --nodes=4 examples/slurm_multinode.sh train_dit.py model=glm_image reward.names=[ocr] \
+#   sbatch --nodes=4 examples/slurm_multinode.sh train_dit.py --config-name recipes/flow_grpo_fast_ocr \
 #       trainer.strategy=fsdp trainer.output_dir=/shared/runs/ocr-fsdp
 #
 # The run is the same as one node's (`tests/test_multinode.py` checks, on one machine, that two single-process

@@ -1,7 +1,7 @@
 """Memory plan: what one rank will hold, computed from the configs before any weight is loaded.
 
-    python -m glm_training.plan --config configs/t2i_training.yaml model=glm_image sampling.height=1024 \
-        sampling.width=1024 [--world-size 8] [--strategy fsdp] [--gpu-memory-gb 80]
+    python -m glm_training.plan --config recipes/flow_grpo_fast_ocr [--world-size 8] [--strategy fsdp] \
+        [--gpu-memory-gb 80]
 
 Every run logs the same plan at start-up (`log_memory_plan`, before `_build_model`); on GPUs a run predicted
 not to fit stops there, naming the largest terms and the fixes.

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from glm_training.config.loading import (
     CFG_CHOICES,
     HYDRA_KEYS,
+    RECIPE_DIR,
     CommandLine,
     available_configs,
     config_to_yaml,
@@ -50,10 +51,13 @@ def _format_value(value: Any) -> str:
 
 
 def config_groups(command: CommandLine) -> dict[str, list[str]]:
-    """Config groups (sub-folders of the config folders) and their options: {"model": ["glm_image", ...]}."""
+    """Config groups (sub-folders of the config folders) and their options: {"model": ["glm_image", ...]}.
+
+    `recipes/` is not a group: its files are whole configs, chosen with --config-name recipes/<name>.
+    """
     groups: dict[str, set[str]] = {}
     for folder in dict.fromkeys([command.config_dir, CONFIG_DIR]):
-        for group in sorted(p for p in folder.iterdir() if p.is_dir()):
+        for group in sorted(p for p in folder.iterdir() if p.is_dir() and p != RECIPE_DIR):
             groups.setdefault(group.name, set()).update(f.stem for f in group.glob("*.yaml"))
     return {name: sorted(options) for name, options in sorted(groups.items())}
 
@@ -90,7 +94,8 @@ def help_text(cfg: Any, command: CommandLine, prog: str) -> str:
         "",
         "flags:",
         "  --config FILE, -c FILE   a YAML config (configs/*.yaml, or your own file extending one)",
-        "  --config-name NAME, -cn  a config in configs/ (--config-path DIR, -cp: in another folder)",
+        "  --config-name NAME, -cn  a config in configs/; recipes/<name>: the real model (docs/recipes.md)",
+        "                           (--config-path DIR, -cp: in another folder)",
         "  --cfg job                print the resolved config (the run's config.yaml), exit; no model loads",
         "  --cfg hydra              print the Hydra settings used (run dir, config sources, overrides)",
         "  --cfg all                both: the hydra: block, then the job config",

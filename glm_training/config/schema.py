@@ -462,7 +462,7 @@ class TrainerConfig:
     output_dir: str = option(
         "", "Empty = outputs/<run name>-<timestamp>, chosen by rank 0 and shared with every rank."
     )
-    save_every: int = option(10, "optimizer steps between checkpoints; a final one is always written")
+    save_every: int = option(10, "training steps between checkpoints; a final one is always written")
     keep_last: int = option(0, "0 keeps every checkpoint")
     checkpoint_format: str = option(
         "gathered",
@@ -1162,10 +1162,12 @@ class DiTTrainConfig(RunConfig):
     def rollout_latents_per_sample(self) -> tuple[int, str]:
         """(latent tensors a rollout keeps per sample for the update, what they are): the memory plan's.
 
-        Flow-GRPO: the latents before and after every trained SDE step.
+        Flow-GRPO: the latents before and after every trained SDE step (of the window a rollout draws, with
+        Flow-GRPO-Fast's `sde_window_size`).
         """
         s = self.sampling
-        steps = max(1, round((s.window_end() - s.sde_window_start) * self.algo.timestep_fraction))
+        window = s.sde_window_size or s.window_end() - s.sde_window_start
+        steps = max(1, round(window * self.algo.timestep_fraction))
         return 2 * steps, f"{steps} steps x 2 latents"
 
 
