@@ -1,19 +1,22 @@
-"""DiffusionNFT against Flow-GRPO on reward per compute (issue 15). A script to run, not a test.
+"""The decoder algorithms on reward per compute: Flow-GRPO, DiffusionNFT and AWM (issues 15, 24). A script
+to run, not a test.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/bench_nft.py --json out.json
-    python benchmarks/bench_nft.py --budgets 20 40 80 --seeds 0 1 --nft nft_training optim.lr=1e-2
+    python benchmarks/bench_nft.py --budgets 20 40 80 --seeds 0 1 --nft optim.lr=1e-2 --algorithms nft awm
 
-Both trainers start from the same tiny model (the same weights), train on the same prompts with the same
+The trainers start from the same tiny model (the same weights), train on the same prompts with the same
 reward, each with its own shipped tiny config (`configs/t2i_training.yaml`, `configs/nft_training.yaml`,
-plus the overrides given). They take training steps in turn, always the one that has used less CPU time, so
-the other engineers' load on the machine falls on both alike. The clock is the CPU time of this process
-(`time.process_time`, one thread) spent in `_collect` + `_update`; evaluation is outside it. Whenever an
-algorithm's CPU time crosses a budget, its held-out evaluation (the bundled eval prompts, one fixed seed per
-prompt, each algorithm's own sampler: Flow-GRPO with CFG 1.5, NFT CFG-free) is recorded. The figure of merit
-is the held-out reward gain over the algorithm's own step-0 evaluation, per CPU second, at each budget.
+`configs/awm_training.yaml`, plus the overrides given). They take training steps in turn, always the one
+that has used less CPU time, so the other engineers' load on the machine falls on all alike. The clock is
+the CPU time of this process (`time.process_time`, one thread) spent in `_collect` + `_update`; evaluation
+is outside it. Whenever an algorithm's CPU time crosses a budget, its held-out evaluation (the bundled eval
+prompts, one fixed seed per prompt, each algorithm's own sampler: Flow-GRPO with CFG 1.5, NFT and AWM
+CFG-free) is recorded. The figure of merit is the held-out reward gain over the algorithm's own step-0
+evaluation, per CPU second, at each budget.
 
-It also measures what the rollout keeps per sample for the update: NFT's final latents and conditioning
-against Flow-GRPO's trajectory (latents before and after every SDE step, transition means, log-probs).
+It also measures what the rollout keeps per sample for the update: NFT's and AWM's final latents and
+conditioning against Flow-GRPO's trajectory (latents before and after every SDE step, transition means,
+log-probs).
 """
 
 from __future__ import annotations
@@ -39,8 +42,16 @@ from bench_dit import machine_info  # noqa: E402
 from glm_training.config import load_config  # noqa: E402
 from glm_training.logs import setup_logging  # noqa: E402
 from glm_training.rollout.nft import NFTSamples  # noqa: E402
+from glm_training.trainers.awm_trainer import AWMTrainer  # noqa: E402
 from glm_training.trainers.dit_trainer import DiTTrainer  # noqa: E402
 from glm_training.trainers.nft_trainer import NFTTrainer  # noqa: E402
+
+# Each algorithm: its trainer and shipped tiny config.
+ALGORITHMS = {
+    "flow_grpo": (DiTTrainer, "t2i_training"),
+    "nft": (NFTTrainer, "nft_training"),
+    "awm": (AWMTrainer, "awm_training"),
+}
 
 
 def wall_clock() -> float:
@@ -60,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
     p.add_argument("--flow-grpo", nargs="*", default=[], help="overrides for configs/t2i_training.yaml")
     p.add_argument("--nft", nargs="*", default=[], help="overrides for configs/nft_training.yaml")
+    p.add_argument("--awm", nargs="*", default=[], help="overrides for configs/awm_training.yaml")
+    p.add_argument("--algorithms", nargs="+", choices=tuple(ALGORITHMS), default=list(ALGORITHMS))
     p.add_argument(
         "--clock",
         choices=("process", "wall"),
@@ -134,18 +147,15 @@ def compare(seed: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         runs = [
             Run(
-                "flow_grpo",
-                DiTTrainer,
-                "t2i_training",
-                args.flow_grpo,
+                name,
+                *ALGORITHMS[name],
+                getattr(args, name),
                 seed,
                 args.budgets,
                 args.eval_prompts,
                 Path(tmp),
-            ),
-            Run(
-                "nft", NFTTrainer, "nft_training", args.nft, seed, args.budgets, args.eval_prompts, Path(tmp)
-            ),
+            )
+            for name in args.algorithms
         ]
         while any(r.budgets for r in runs):
             min((r for r in runs if r.budgets), key=lambda r: r.cpu_s).train_step(CLOCKS[args.clock])
@@ -158,10 +168,14 @@ def compare(seed: int, args: argparse.Namespace) -> dict:
             "rollout_bytes_per_sample": r.bytes_per_sample,
             "gain_per_cpu_s": {e["budget_s"]: (e["reward"] - base) / e["cpu_s"] for e in r.evals[1:]},
         }
-    result["ratio_nft_over_flow_grpo"] = {
-        b: result["nft"]["gain_per_cpu_s"][b] / g if g else None
-        for b, g in result["flow_grpo"]["gain_per_cpu_s"].items()
-    }
+    # Each algorithm's gain per CPU second over each other's, at every budget (None where the other's is 0).
+    for name in args.algorithms:
+        for other in args.algorithms:
+            if other != name:
+                result[f"ratio_{name}_over_{other}"] = {
+                    b: result[name]["gain_per_cpu_s"][b] / g if g else None
+                    for b, g in result[other]["gain_per_cpu_s"].items()
+                }
     return result
 
 
@@ -172,13 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     report["seeds"] = {seed: compare(seed, args) for seed in args.seeds}
     for seed, res in report["seeds"].items():
         print(f"seed {seed}:")
-        for name in ("flow_grpo", "nft"):
+        for name in args.algorithms:
             r = res[name]
             curve = ", ".join(f"{e['cpu_s']:.0f}s/{e['step']}st: {e['reward']:.4f}" for e in r["evals"])
             kept = r["rollout_bytes_per_sample"]
             print(f"  {name}: {r['cpu_s_per_step']:.2f} s/step, {kept:.0f} B/sample kept;")
             print(f"    eval reward vs CPU s: {curve}")
-        print("  NFT / Flow-GRPO reward gain per CPU s:", res["ratio_nft_over_flow_grpo"])
+        for key in (k for k in res if k.startswith("ratio_")):
+            print(f"  reward gain per CPU s, {key[len('ratio_') :]}:", res[key])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     return 0
