@@ -1,6 +1,7 @@
 """`AWMTrainer`: Advantage Weighted Matching (arXiv 2509.25050) on the GLM-Image diffusion decoder.
 
-Follows the authors' reference (`scripts/train_sd3_awm.py`, on-policy as its configs ship):
+Follows the authors' reference (`scripts/train_sd3_awm.py`, on-policy as its configs ship), in the
+forward-process frame it shares with DiffusionNFT (`ForwardProcessTrainer`):
 - Rollout: the *policy* samples with the pipeline's ODE (`rollout/nft.py`'s sampler; the reference uses an
   SA-Solver, and AWM's loss does not depend on the sampler); only the clean latents and the conditioning are
   kept. Prior tokens, rewards and advantages are the diffusion base's (`DiffusionTrainer`).
@@ -20,8 +21,6 @@ branch); here `ema_beta` acts on its own. Every reference config has `beta > 0`,
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +38,15 @@ from glm_training.algorithms.awm import (
 from glm_training.algorithms.nft import noised_latents, velocity_kl
 from glm_training.checkpoint import CheckpointError
 from glm_training.rollout.dit import predict_velocity
-from glm_training.rollout.nft import NFTSamples, keep_for_update, sample_ode
-from glm_training.trainers.diffusion_trainer import DiffusionTrainer
-from glm_training.trainers.nft_trainer import UPDATE_SEED_OFFSET, OldPolicy
+from glm_training.rollout.nft import NFTSamples
+from glm_training.trainers.forward_trainer import ForwardProcessTrainer, OldPolicy
 from glm_training.trainers.reward_trainer import Batch
 
 ANCHOR_FILE = "awm_ema_anchor.pt"
 AWM_STATS = ("loss", "policy_loss", "matching_loss", "kl", "anchor_kl", "weight_mean")
 
 
-@dataclass
-class AWMRollout:
-    samples: list[NFTSamples]  # one per micro-batch, in sample order: clean latents and conditioning
-    timesteps: torch.Tensor  # [T]: the schedule the update's training times are drawn from
-    sigmas: torch.Tensor  # [T + 1]
-
-
-class AWMTrainer(DiffusionTrainer):
+class AWMTrainer(ForwardProcessTrainer):
     """AWM: the diffusion rollout frame and advantages, the policy's ODE, the advantage-weighted loss."""
 
     def _setup_trainable(self, module: nn.Module) -> nn.Module:
@@ -68,54 +59,18 @@ class AWMTrainer(DiffusionTrainer):
             )
         return module
 
-    def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator) -> tuple[Any, torch.Tensor]:
-        """The policy's ODE sample of one micro-batch; keeps x_0 and the conditioning."""
-        s = self.cfg.sampling
-        final = sample_ode(
-            self.trainable,
-            latents,
-            cond,
-            timesteps,
-            sigmas,
-            guidance_scale=s.guidance_scale,
-            batched_cfg=s.batched_cfg,
+    def draw_times(self, num_samples: int, generator: torch.Generator) -> torch.Tensor:
+        """`train_timesteps` indices, one per bin, shared by the micro-batch (the reference's)."""
+        a = self.cfg.algo
+        times = train_time_indices(
+            self.cfg.sampling.num_steps, a.timestep_fraction, a.train_timesteps, a.time_type, generator
         )
-        return keep_for_update(cond, final), final
-
-    def make_rollout(self, chunks, timesteps, sigmas, step) -> AWMRollout:
-        return AWMRollout(chunks, timesteps, sigmas)
+        return times.expand(num_samples, -1)
 
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
-        a, s = self.cfg.algo, self.cfg.sampling
-        rollout: AWMRollout = batch.rollout
-        chunks = rollout.samples
-        sizes = [c.final_latents.shape[0] for c in chunks]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        a = self.cfg.algo
         weights = advantage_weights(batch.advantages.float(), a.adv_clip_max, a.advantage_max)
-        generator = torch.Generator().manual_seed(self.sample_seed(step) + UPDATE_SEED_OFFSET)
-
-        def micro_steps(mini: list[int]):
-            num_samples = sum(sizes[m] for m in mini)
-            for m in mini:
-                chunk = chunks[m]
-                w = weights[offsets[m] : offsets[m] + sizes[m]].to(self.device)
-                # The update's own generator: drawn in the same order however far ahead the loop reads.
-                times = train_time_indices(
-                    s.num_steps, a.timestep_fraction, a.train_timesteps, a.time_type, generator
-                )
-                noise = torch.randn((a.train_timesteps, *chunk.final_latents.shape), generator=generator)
-                for j in range(a.train_timesteps):
-                    yield functools.partial(
-                        self._loss_and_backward,
-                        chunk,
-                        int(times[j]),
-                        noise[j],
-                        w,
-                        rollout,
-                        num_samples * a.train_timesteps,
-                    )
-
-        update = self.run_update(len(chunks), micro_steps, AWM_STATS)
+        update = self.run_forward_update(batch, step, weights, AWM_STATS)
         out = dict(update.means)
         if self.anchor is not None:
             # The optimizer-step count is the scheduler's, restored by checkpoints: the decay resumes exactly.
@@ -127,18 +82,24 @@ class AWMTrainer(DiffusionTrainer):
         return self.mean_over_ranks(out)
 
     def _loss_and_backward(
-        self, chunk: NFTSamples, index: int, noise: torch.Tensor, weights, rollout, denominator: int
+        self,
+        chunk: NFTSamples,
+        time_idx: torch.Tensor,
+        noise: torch.Tensor,
+        weights,
+        rollout,
+        denominator: int,
     ) -> dict[str, float]:
         """AWM loss of one micro-batch at one schedule index; backward of its share of the mean.
 
-        noise [B, C, h, w]; weights [B] clipped, scaled advantages. The forward process takes the schedule's
-        sigma, the DiT the schedule's timestep, as in sampling.
+        time_idx [B] (one index for the micro-batch); noise [B, C, h, w]; weights [B] clipped, scaled
+        advantages. The forward process takes the schedule's sigma, the DiT the schedule's timestep, as in
+        sampling.
         """
         a = self.cfg.algo
         x0 = chunk.final_latents.to(self.device)
-        batch = x0.shape[0]
-        t = rollout.sigmas[index].expand(batch).to(self.device)
-        timestep = rollout.timesteps[index].expand(batch).to(self.device)
+        t = rollout.sigmas[time_idx].to(self.device)
+        timestep = rollout.timesteps[time_idx].to(self.device)
         noise = noise.to(self.device)
         x_t = noised_latents(x0, noise, t)
         cond = chunk.cond.to(self.device)
