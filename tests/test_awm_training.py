@@ -20,20 +20,26 @@ from glm_training.trainers.awm_trainer import ANCHOR_FILE
 @pytest.mark.slow
 def test_default_awm_run_learns(tmp_path):
     """`python train_dit.py --config configs/awm_training.yaml`, shortened: tiny model, jpeg reward, CPU."""
-    args = ["--config", "configs/awm_training.yaml", f"trainer.output_dir={tmp_path}", "trainer.num_steps=20"]
+    args = [
+        "--config",
+        "configs/awm_training.yaml",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.num_steps=12",
+        "eval.every_n_steps=12",
+    ]
     result = run_cli([PYTHON, "train_dit.py", *args], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert [r["step"] for r in rows] == list(range(1, 13))
     assert {"loss", "policy_loss", "matching_loss", "weight_mean"} <= set(rows[0])
     assert "clip_frac" not in rows[0] and "r_mean" not in rows[0]  # the other trainers' statistics
     rewards = np.array([r["reward_mean"] for r in rows])
-    first, last = rewards[:5].mean(), rewards[-5:].mean()
-    # Per-step noise of the mean reward is ~0.02-0.04 (docs/benchmarks.md has the measured curve).
-    assert last - first > 0.06, rewards.round(3).tolist()
+    first, last = rewards[:4].mean(), rewards[-4:].mean()
+    # Per-step noise of the mean reward is ~0.02-0.04; measured: +0.56 (training), +0.54 (held out).
+    assert last - first > 0.1, rewards.round(3).tolist()
     evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
-    assert sorted(evals) == [0, 10, 20]
-    assert evals[20]["reward_mean"] > evals[0]["reward_mean"] + 0.05, {
+    assert sorted(evals) == [0, 12]
+    assert evals[12]["reward_mean"] > evals[0]["reward_mean"] + 0.1, {
         s: e["reward_mean"] for s, e in evals.items()
     }
 

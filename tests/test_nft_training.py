@@ -133,7 +133,7 @@ def test_algo_name_selects_the_schema_and_errors_name_the_fix():
         load_config(["algo.name=nft"], "t2i_training")
     with pytest.raises(ConfigError, match="algo.decay_type"):
         load_config(["--config", "configs/nft_training.yaml", "algo.decay_type=3"], "t2i_training")
-    # The old model is sharded like the parameters (tests/test_fsdp_forward_process.py).
+    # The old model is sharded like the parameters (tests/test_fsdp_policy_copies.py).
     assert (
         load_config(["--config", "configs/nft_training.yaml", "trainer.strategy=fsdp"]).trainer.strategy
         == "fsdp"

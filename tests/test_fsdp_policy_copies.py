@@ -1,10 +1,13 @@
-"""DiffusionNFT's old model and AWM's EMA anchor under FSDP: sharded like the parameters, equal to DDP.
+"""Copies of the trained weights under FSDP: each sharded like its parameter, written whole as DDP writes it.
 
-One 2-rank launch trains, 2 steps each, DiffusionNFT as a full fine-tune (the old model: a frozen copy of the
-module under DDP, shards copied in and out under FSDP) and AWM with LoRA and both of its KL terms (the anchor:
-a second copy of the adapters), each under ddp and fsdp, and resumes the fsdp NFT run from its first
-checkpoint. The trained weights and the old model / anchor files (written whole, as DDP writes them) must
-equal DDP's within fp32 rounding, and the resumed run's must be the uninterrupted one's, bit for bit.
+One 2-rank launch (a module fixture) trains, 2 steps each:
+- a DiT full fine-tune with the evaluation EMA (`algo.ema`) under ddp and under fsdp, and the fsdp run
+  resumed from its first checkpoint: the EMA (`ema.pt`) equals DDP's within fp32 rounding, its evaluation
+  scores what DDP's does, and the resumed run's EMA is the uninterrupted one's, bit for bit;
+- DiffusionNFT as a full fine-tune (the old model: a frozen copy of the module under DDP, shards copied in and
+  out under FSDP) and AWM with LoRA and both of its KL terms (the anchor: a second copy of the adapters),
+  each under ddp and fsdp, and the fsdp NFT run resumed from its first checkpoint: trained weights and the
+  old model / anchor files equal DDP's within fp32 rounding, the resumed run's bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +24,26 @@ from glm_training.trainers.awm_trainer import ANCHOR_FILE
 from glm_training.trainers.nft_trainer import OLD_POLICY_FILE
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ARGS = [
+    *DIT_SMALL,
+    "trainer.num_steps=2",
+    "trainer.save_every=1",
+    "model.lora.enabled=false",
+    "optim.lr=1e-3",
+    "algo.ema=true",
+    "algo.ema_decay=0.5",
+    "eval.every_n_steps=2",
+    "eval.num_prompts=2",
+    "eval.batch_size=2",
+    "logging.tensorboard=false",
+]
+
+
+def _shadows(run, step: int) -> list[torch.Tensor]:
+    path = run / "checkpoints" / f"step-{step:06d}" / "ema.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)["shadow_params"]
+
 
 COMMON = [*DIT_SMALL, "trainer.num_steps=2", "trainer.save_every=1", "logging.tensorboard=false"]
 NFT = ["--config-name", "nft_training", *COMMON, "model.lora.enabled=false", "optim.lr=1e-3"]
@@ -44,8 +67,20 @@ def _final(run, name: str) -> tuple[dict, dict]:
     return weights, torch.load(folder / name, map_location="cpu", weights_only=True)
 
 
-def test_nft_and_awm_policy_copies_under_fsdp_equal_ddp(tmp_path):
-    runs = {}
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """(output folder, each rank's report) of the one launch."""
+    tmp_path = tmp_path_factory.mktemp("fsdp_copies")
+    runs = {
+        "ddp": [*ARGS, "trainer.strategy=ddp", f"trainer.output_dir={tmp_path / 'ddp'}"],
+        "fsdp": [*ARGS, "trainer.strategy=fsdp", f"trainer.output_dir={tmp_path / 'fsdp'}"],
+        "resumed": [
+            *ARGS,
+            "trainer.strategy=fsdp",
+            f"trainer.output_dir={tmp_path / 'resumed'}",
+            f"trainer.resume={tmp_path / 'fsdp' / 'checkpoints' / 'step-000001'}",
+        ],
+    }
     for algo, args in (("nft", NFT), ("awm", AWM)):
         for strategy in ("ddp", "fsdp"):
             out = tmp_path / f"{algo}_{strategy}"
@@ -57,9 +92,26 @@ def test_nft_and_awm_policy_copies_under_fsdp_equal_ddp(tmp_path):
         f"trainer.resume={tmp_path / 'nft_fsdp' / 'checkpoints' / 'step-000001'}",
     ]
     script = str(REPO / "tests" / "scripts" / "fsdp_check.py")
-    result = torchrun(script, [str(tmp_path), "dit", json.dumps(runs)], timeout=420)
+    result = torchrun(script, [str(tmp_path), "dit", json.dumps(runs)], timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return tmp_path, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ema_under_fsdp_equals_ddp_and_resumes_exactly(launch):
+    tmp_path, reports = launch
+    assert all(rep["fsdp"]["sharded"] and rep["fsdp"]["local"] < rep["fsdp"]["total"] for rep in reports)
+    ddp, fsdp, resumed = (_shadows(tmp_path / name, 2) for name in ("ddp", "fsdp", "resumed"))
+    assert len(ddp) == len(fsdp) == len(resumed) > 0
+    for a, b, c in zip(ddp, fsdp, resumed):
+        assert a.shape == b.shape  # whole tensors in the file, as DDP writes them
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        assert torch.equal(b, c)
+    last = {name: read_metrics(tmp_path / name / "metrics.jsonl")[-1] for name in ("ddp", "fsdp")}
+    assert last["fsdp"]["eval/reward_mean"] == pytest.approx(last["ddp"]["eval/reward_mean"], abs=1e-4)
+
+
+def test_nft_and_awm_policy_copies_under_fsdp_equal_ddp(launch):
+    tmp_path, reports = launch
     for algo in ("nft", "awm"):
         fsdp = [rep[f"{algo}_fsdp"] for rep in reports]
         assert all(r["sharded"] and r["local"] < r["total"] for r in fsdp)
