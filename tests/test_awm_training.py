@@ -1,5 +1,6 @@
 """AWM end to end (`AWMTrainer`): the tiny default run learns; with the reference's KL terms (base model and
-EMA anchor) resume is bit-exact and the anchor is saved; the config selects the trainer and refuses FSDP."""
+EMA anchor) resume is bit-exact and the anchor is saved; the config selects the trainer; the
+anchor file round-trips and a missing or foreign one is refused."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 from conftest import DIT_SMALL, PYTHON, run_cli
 from safetensors.torch import load_file
 
+from glm_training.checkpoint import CheckpointError
 from glm_training.cli import run
 from glm_training.config import AWMTrainConfig, ConfigError, load_config
 from glm_training.metrics import read_metrics
 from glm_training.trainers.awm_trainer import ANCHOR_FILE
+from glm_training.trainers.forward_trainer import OldPolicy
 
 
 @pytest.mark.slow
@@ -87,3 +90,23 @@ def test_the_config_selects_awm_and_its_errors_name_the_fix(tmp_path):
     for key, value in [("weighting", "l1"), ("time_type", "logit_normal"), ("kl_ema_decay", "1.0")]:
         with pytest.raises(ConfigError, match=f"algo.{key}"):
             load_config(config="awm_training", overrides=[f"algo.{key}={value}"])
+
+
+def test_the_policy_copy_round_trips_and_a_missing_or_foreign_file_is_refused(tmp_path):
+    """`OldPolicy` (NFT's old model, AWM's anchor) on a small module: its file loads back exactly; a missing
+    file names the run that writes one, a file of other weights is refused."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    copy = OldPolicy(module, lora=True, file=ANCHOR_FILE)
+    with pytest.raises(CheckpointError, match=rf"{ANCHOR_FILE} is missing: .* written by an AWM run"):
+        copy.load_from(tmp_path, "an AWM run")
+    with torch.no_grad():
+        module[0].weight.add_(1.0)
+    copy.update(0.5)  # half-way towards the changed weights
+    torch.save(copy.state_dict(), tmp_path / ANCHOR_FILE)
+    fresh = OldPolicy(module, lora=True, file=ANCHOR_FILE)
+    fresh.load_from(tmp_path, "an AWM run")
+    assert all(torch.equal(fresh.weights[n], copy.weights[n]) for n in copy.weights)
+    assert not torch.equal(fresh.weights["0.weight"], module[0].weight)
+    torch.save({"other.weight": torch.zeros(1)}, tmp_path / ANCHOR_FILE)
+    with pytest.raises(CheckpointError, match="does not match the model being trained"):
+        fresh.load_from(tmp_path, "an AWM run")

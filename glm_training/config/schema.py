@@ -1172,37 +1172,35 @@ class DiTTrainConfig(RunConfig):
 
 
 @dataclass
-class NFTTrainConfig(DiTTrainConfig):
-    """`python train_dit.py --config configs/nft_training.yaml`: DiffusionNFT on the GLM-Image DiT decoder.
+class ForwardProcessTrainConfig(DiTTrainConfig):
+    """The run config of a decoder algorithm that trains on the forward process from the rollout's clean
+    latents (`trainers/forward_trainer.py`): the decoder's common sampling (an ODE: no SDE keys)."""
 
-    Its sampling is the decoder's common one (the old model's ODE: no SDE keys), its algo section NFT's.
-    """
-
-    run_name: str = option("nft", RUN_NAME_HELP)
     sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)  # type: ignore[assignment]
-    algo: NFTConfig = field(default_factory=NFTConfig)  # type: ignore[assignment]
 
     def _check_algorithm(self) -> None:
-        """Nothing ties DiffusionNFT to the other sections (Flow-GRPO's rule reads SDE keys it has not)."""
+        """Nothing ties these algorithms to the other sections (Flow-GRPO's rule reads SDE keys they lack)."""
 
     def rollout_latents_per_sample(self) -> tuple[int, str]:
         return 1, "1 final latent"  # the clean latents the update noises again
 
 
 @dataclass
-class AWMTrainConfig(DiTTrainConfig):
-    """`python train_dit.py --config configs/awm_training.yaml`: AWM on the GLM-Image DiT decoder.
+class NFTTrainConfig(ForwardProcessTrainConfig):
+    """`python train_dit.py --config configs/nft_training.yaml`: DiffusionNFT on the GLM-Image DiT decoder
+    (the old model samples with the ODE)."""
 
-    Its sampling is the decoder's common one (the policy's ODE: no SDE keys), its algo section AWM's.
-    """
+    run_name: str = option("nft", RUN_NAME_HELP)
+    algo: NFTConfig = field(default_factory=NFTConfig)  # type: ignore[assignment]
+
+
+@dataclass
+class AWMTrainConfig(ForwardProcessTrainConfig):
+    """`python train_dit.py --config configs/awm_training.yaml`: AWM on the GLM-Image DiT decoder (the policy
+    samples with the ODE)."""
 
     run_name: str = option("awm", RUN_NAME_HELP)
-    sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)  # type: ignore[assignment]
     algo: AWMConfig = field(default_factory=AWMConfig)  # type: ignore[assignment]
-
-    # Both train on the forward process from the rollout's clean latents, with the decoder's common sampling.
-    _check_algorithm = NFTTrainConfig._check_algorithm
-    rollout_latents_per_sample = NFTTrainConfig.rollout_latents_per_sample
 
 
 @dataclass

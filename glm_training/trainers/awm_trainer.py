@@ -36,7 +36,6 @@ from glm_training.algorithms.awm import (
     weighted_matching_loss,
 )
 from glm_training.algorithms.nft import noised_latents, velocity_kl
-from glm_training.checkpoint import CheckpointError
 from glm_training.rollout.dit import predict_velocity
 from glm_training.rollout.nft import NFTSamples
 from glm_training.trainers.forward_trainer import ForwardProcessTrainer, OldPolicy
@@ -133,13 +132,5 @@ class AWMTrainer(ForwardProcessTrainer):
         return {ANCHOR_FILE: self.anchor.state_dict()} if self.anchor is not None else {}
 
     def load_checkpoint_extras(self, path: Path) -> None:
-        if self.anchor is None:
-            return
-        # `path` is the checkpoint rank 0 chose and verified (hashes) for every rank.
-        file = path / ANCHOR_FILE
-        if not file.is_file():
-            raise CheckpointError(
-                f"{file} is missing: the checkpoint was not written by an AWM run with algo.ema_beta > 0; "
-                "resume it with the config it was trained with."
-            )
-        self.anchor.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        if self.anchor is not None:
+            self.anchor.load_from(path, "an AWM run with algo.ema_beta > 0")

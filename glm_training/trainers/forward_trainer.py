@@ -23,6 +23,7 @@ import functools
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,6 +132,17 @@ class OldPolicy:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors on CPU (collective when sharded: the file is the one an unsharded run writes)."""
         return {n: sharding.full_tensor(w.detach()).cpu().clone() for n, w in self.weights.items()}
+
+    def load_from(self, checkpoint: Path, written_by: str) -> None:
+        """Load `<checkpoint>/<file>` (the folder rank 0 chose and verified for every rank); a missing file
+        names the run that writes one (`written_by`)."""
+        file = checkpoint / self.file
+        if not file.is_file():
+            raise CheckpointError(
+                f"{file} is missing: the checkpoint was not written by {written_by}; resume it with the "
+                "config it was trained with."
+            )
+        self.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.weights):

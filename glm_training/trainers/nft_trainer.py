@@ -35,7 +35,6 @@ from glm_training.algorithms.nft import (
     train_time_indices,
     velocity_kl,
 )
-from glm_training.checkpoint import CheckpointError
 from glm_training.rollout.dit import predict_velocity
 from glm_training.rollout.nft import NFTSamples
 from glm_training.trainers.forward_trainer import ForwardProcessTrainer, OldPolicy
@@ -121,11 +120,4 @@ class NFTTrainer(ForwardProcessTrainer):
         return {OLD_POLICY_FILE: self.old_policy.state_dict()}
 
     def load_checkpoint_extras(self, path: Path) -> None:
-        # `path` is the checkpoint rank 0 chose and verified (hashes) for every rank.
-        file = path / OLD_POLICY_FILE
-        if not file.is_file():
-            raise CheckpointError(
-                f"{file} is missing: the checkpoint was not written by a DiffusionNFT run "
-                "(configs/nft_training.yaml); resume it with the config it was trained with."
-            )
-        self.old_policy.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        self.old_policy.load_from(path, "a DiffusionNFT run (configs/nft_training.yaml)")

@@ -263,6 +263,8 @@ class RewardTrainer(ABC):
         cfg = self.cfg.trainer
         r = self.cfg.reward
         self.rewards.policy = FailurePolicy(r.max_retries, r.retry_backoff_s, r.on_failure, r.on_nonfinite)
+        if self.watched_rewards is not None:
+            self.watched_rewards.policy = self.rewards.policy  # retried as the training rewards are
         dist.set_collective_timeout(cfg.dist_timeout_s)
         signals = StopSignals()
         signals.install()
@@ -782,8 +784,6 @@ class RewardTrainer(ABC):
         every = self.cfg.eval.every_n_steps
         if not every or not (step % every == 0 or step == self.cfg.trainer.num_steps):
             return {}
-        if self.watched_rewards is not None:
-            self.watched_rewards.policy = self.rewards.policy  # retried as the training rewards are
         # The pipeline's AR stage reseeds the global RNG; training's random streams must not notice.
         with (
             self._eval_weights(),
