@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import DIT_SMALL, PYTHON, run_cli
+from conftest import DIT_SMALL
 from safetensors.torch import load_file
 
 from glm_training.checkpoint import CheckpointError
@@ -22,16 +22,9 @@ from glm_training.trainers.forward_trainer import OldPolicy
 
 @pytest.mark.slow
 def test_default_awm_run_learns(tmp_path):
-    """`python train_dit.py --config configs/awm_training.yaml`, shortened: tiny model, jpeg reward, CPU."""
-    args = [
-        "--config",
-        "configs/awm_training.yaml",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.num_steps=12",
-        "eval.every_n_steps=12",
-    ]
-    result = run_cli([PYTHON, "train_dit.py", *args], timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    """`train_dit.py --config configs/awm_training.yaml`'s own call, shortened: tiny model, jpeg reward."""
+    args = [f"trainer.output_dir={tmp_path}", "trainer.num_steps=12", "eval.every_n_steps=12"]
+    assert run("dit", "awm_training", args) == 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert {"loss", "policy_loss", "matching_loss", "weight_mean"} <= set(rows[0])
@@ -52,18 +45,18 @@ def test_awm_with_both_kls_resumes_bit_exact(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     args = [
         *DIT_SMALL,
-        "trainer.save_every=2",
+        "trainer.save_every=1",
         "algo.beta=0.003",
         "algo.ema_beta=1.0",
         "algo.train_timesteps=2",
         "algo.num_mini_batches=2",
         "sampling.micro_batch_size=3",
     ]
-    assert run("dit", "awm_training", [*args, "trainer.num_steps=4", f"trainer.output_dir={full}"]) == 0
-    assert run("dit", "awm_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={part}"]) == 0
-    resumed = [*args, "trainer.num_steps=4", f"trainer.output_dir={part}", "trainer.resume=latest"]
+    assert run("dit", "awm_training", [*args, "trainer.num_steps=3", f"trainer.output_dir={full}"]) == 0
+    assert run("dit", "awm_training", [*args, "trainer.num_steps=1", f"trainer.output_dir={part}"]) == 0
+    resumed = [*args, "trainer.num_steps=3", f"trainer.output_dir={part}", "trainer.resume=latest"]
     assert run("dit", "awm_training", resumed) == 0
-    final_a, final_b = full / "checkpoints" / "step-000004", part / "checkpoints" / "step-000004"
+    final_a, final_b = full / "checkpoints" / "step-000003", part / "checkpoints" / "step-000003"
     a, b = (load_file(str(p / "trainable.safetensors")) for p in (final_a, final_b))
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.equal(a[n], b[n]) for n in a)
@@ -71,7 +64,7 @@ def test_awm_with_both_kls_resumes_bit_exact(tmp_path):
     assert anchor_a.keys() == a.keys() and all(torch.equal(anchor_a[n], anchor_b[n]) for n in a)
     assert any(not torch.equal(anchor_a[n], a[n]) for n in a)  # an EMA lags the policy
     rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
-    assert [r["step"] for r in rows_part] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows_part] == [1, 2, 3]
     for x, y in zip(rows_full, rows_part):
         assert x["reward_mean"] == y["reward_mean"] and x["loss"] == y["loss"]
     # Step 1: the anchor is still the base model, so both KLs are the same number (the second mini-batch
@@ -79,7 +72,7 @@ def test_awm_with_both_kls_resumes_bit_exact(tmp_path):
     assert rows_full[0]["kl"] == rows_full[0]["anchor_kl"] > 0
     assert 0 < rows_full[1]["anchor_kl"] < rows_full[1]["kl"]
     # d = min(0.3, 0.001 k) after k optimizer steps: 2 per rollout.
-    assert [r["anchor_decay"] for r in rows_full] == pytest.approx([0.002, 0.004, 0.006, 0.008])
+    assert [r["anchor_decay"] for r in rows_full] == pytest.approx([0.002, 0.004, 0.006])
     assert rows_full[0]["num_optimizer_steps"] == 2.0
 
 
