@@ -18,13 +18,15 @@ Measures, on one model with the same prompts, resolution, batch and sampling set
    forward + backward (of the mean logit) for the gradient variant.
 3. Peak memory: `torch.cuda.max_memory_allocated` per phase on CUDA; on CPU the process's peak RSS
    (`ru_maxrss`), which only grows, so each figure is the peak up to the end of that phase.
-4. Generation speed (issue 14): `sample_image_tokens` with the default dynamic KV cache, with
-   `static_cache=True`, and with `static_cache=True, compile=True` (torch.compile of the decoding step);
-   generated tokens/s and the ratio to the default, after a warm-up that includes compilation (its time is
-   reported apart), runs alternated; and whether each mode sampled the same tokens as the default (the
-   same seed) and how far its recorded log-probs are from the default's.
+4. Decoding paths (issues 14, 26): `sample_image_tokens` through transformers' generate() (with and
+   without its static KV cache) and through the project's decoding loop (eager, and with `--compile` its
+   compiled step), next to the bare model (the same prefill and decoding forwards with a preallocated cache,
+   no sampling): time per decoding step, tokens/s, and each path's overhead per step (its time minus the
+   bare model's) and that overhead as a fraction of generate()'s; for each of `--batches`, all paths
+   interleaved in `--repeats` rounds after a warm-up (which compiles; its time is reported apart); whether
+   each path drew generate()'s tokens for the seed and how far its recorded log-probs are.
 
-    python benchmarks/bench_ar.py --sections generation --height 256 --width 256 --batch 8
+    python benchmarks/bench_ar.py --sections decoding --height 256 --width 256 --batches 1,8,32
 """
 
 from __future__ import annotations
@@ -82,9 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument(
         "--sections",
-        default="rollout,teacher_forced,generation",
-        help="comma-separated: rollout (1), teacher_forced (2, needs rollout), generation (4)",
+        default="rollout,teacher_forced,decoding",
+        help="comma-separated: rollout (1), teacher_forced (2, needs rollout), decoding (4)",
     )
+    p.add_argument(
+        "--batches",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[1, 8, 32],
+        help="batch sizes of the decoding section",
+    )
+    p.add_argument("--compile", action="store_true", help="decoding section: also the compiled loop")
     return p.parse_args(argv)
 
 
@@ -226,71 +235,130 @@ def bench_teacher_forced(args, pipe, params: SamplingParams, samples, device: to
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 4. Generation speed: static KV cache, torch.compile of the decoding step
+# 4. Decoding paths: the project's loop against generate(), per token, at several batch sizes
 
-GENERATION_MODES = {
-    "default": {},
-    "static_cache": {"static_cache": True},
-    "static_cache+compile": {"static_cache": True, "compile": True},
+DECODING_MODES = {
+    "generate": {"decoding": "generate"},
+    "generate+static_cache": {"decoding": "generate", "static_cache": True},
+    "loop": {"decoding": "loop"},
+    "loop+compile": {"decoding": "loop", "compile": True},
 }
 
 
-def bench_generation_modes(args, pipe, params: SamplingParams, device: torch.device) -> dict:
-    prompts = prompts_for(args.batch)
+def bare_decoding(pipe, samples, device: torch.device):
+    """A function replaying `samples`' tokens through the model alone: the prefill, then one forward per
+    decoding step with a preallocated KV cache, no sampling, nothing recorded. The reference each path's
+    overhead is measured against (what every path must compute)."""
+    from transformers import StaticCache
 
-    def runner(kwargs):
-        return lambda: sample_image_tokens(
-            pipe, prompts, args.height, args.width, params, args.seed, **kwargs
+    model = pipe.vision_language_encoder
+    ids = samples.input_ids.to(device)
+    mask = samples.attention_mask.to(device)
+    positions = samples.position_ids.to(device)
+    extra = {key: value.to(device) for key, value in samples.extra.items()}
+    grids = samples.image_grid_thw.to(device)
+    prompt_len = int(samples.completion_mask.long().argmax(dim=1)[0])
+    length = ids.shape[1]
+
+    @torch.no_grad()
+    def run():
+        cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+        model(
+            input_ids=ids[:, :prompt_len],
+            attention_mask=mask[:, :prompt_len],
+            position_ids=positions[:, :, :prompt_len],
+            image_grid_thw=grids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **extra,
         )
+        cache_position = torch.zeros(1, dtype=torch.long, device=device)
+        for column in range(prompt_len, length - 1):
+            cache_position.fill_(column)
+            model(
+                input_ids=ids[:, column : column + 1],
+                attention_mask=mask,
+                position_ids=positions[:, :, column : column + 1],
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=cache_position,
+            )
 
-    runners = {name: runner(kwargs) for name, kwargs in GENERATION_MODES.items()}
-    warmup_s, outputs = {}, {}
-    for name, fn in runners.items():  # warm-up; the compiled mode compiles here
-        warmup_s[name], outputs[name] = timed(fn, device)
-    reference = outputs["default"]
-    mask = reference.completion_mask
-    runs: dict[str, list[float]] = {name: [] for name in runners}
-    load = BackgroundLoad()
-    for _ in range(args.repeats):
-        for name, fn in runners.items():
-            runs[name].append(timed(fn, device)[0])
-    new_tokens = int(mask.sum()) + reference.input_ids.shape[0]  # grids + the extra token per sequence
-    med = {name: statistics.median(times) for name, times in runs.items()}
-    return {
-        "generated_tokens": new_tokens,
-        "modes": {
-            name: {
+    return run
+
+
+def bench_decoding_paths(args, pipe, params: SamplingParams, device: torch.device) -> dict:
+    """Per-token time of every decoding path and of the bare model, for each batch size, interleaved."""
+    modes = {name: kw for name, kw in DECODING_MODES.items() if args.compile or not kw.get("compile")}
+    results = {}
+    for batch in args.batches:
+        prompts = prompts_for(batch)
+
+        def runner(kwargs, prompts=prompts):
+            return lambda: sample_image_tokens(
+                pipe, prompts, args.height, args.width, params, args.seed, **kwargs
+            )
+
+        runners = {name: runner(kwargs) for name, kwargs in modes.items()}
+        warmup_s, outputs = {}, {}
+        for name, fn in runners.items():  # warm-up; the compiled mode compiles here
+            warmup_s[name], outputs[name] = timed(fn, device)
+        reference = outputs["generate"]
+        runners["bare model"] = bare_decoding(pipe, reference, device)
+        warmup_s["bare model"] = timed(runners["bare model"], device)[0]
+        runs: dict[str, list[float]] = {name: [] for name in runners}
+        load = BackgroundLoad()
+        for _ in range(args.repeats):  # interleaved: drifting load hits every path alike
+            for name, fn in runners.items():
+                runs[name].append(timed(fn, device)[0])
+        steps = reference.input_ids.shape[1] - int(reference.completion_mask.long().argmax(dim=1)[0])
+        med = {name: statistics.median(times) for name, times in runs.items()}
+        bare_ms = med["bare model"] / steps * 1e3
+        mask = reference.completion_mask
+        rows = {}
+        for name in runners:
+            step_ms = med[name] / steps * 1e3
+            row = {
                 "median_s": med[name],
-                "tok_per_s": new_tokens / med[name],
-                "speedup_vs_default": med["default"] / med[name],
+                "ms_per_step": step_ms,
+                "tok_per_s": batch * steps / med[name],
+                "overhead_ms_per_step": step_ms - bare_ms,
                 "warmup_s": warmup_s[name],
-                "same_tokens": bool(torch.equal(outputs[name].input_ids, reference.input_ids)),
-                "max_logp_diff": float(
-                    (outputs[name].sampling_log_probs - reference.sampling_log_probs)[mask].abs().max()
-                ),
                 "runs_s": runs[name],
             }
-            for name in runners
-        },
-        "background_cores": load.cores(),
-    }
+            if name in outputs:
+                row["same_tokens"] = bool(torch.equal(outputs[name].input_ids, reference.input_ids))
+                diff = (outputs[name].sampling_log_probs - reference.sampling_log_probs)[mask]
+                row["max_logp_diff"] = float(diff.abs().max())
+            rows[name] = row
+        gen_overhead = rows["generate"]["overhead_ms_per_step"]
+        for row in rows.values():
+            row["overhead_vs_generate"] = (
+                row["overhead_ms_per_step"] / gen_overhead if gen_overhead > 0 else None
+            )
+        results[str(batch)] = {"steps": steps, "paths": rows, "background_cores": load.cores()}
+    return results
 
 
-def print_generation_report(gen: dict) -> None:
-    print(f"\n== generation speed == {gen['generated_tokens']} generated tokens per call")
+def print_decoding_report(dec: dict) -> None:
+    print("\n== decoding paths == per decoding step (one token for each sequence of the batch)")
     print(
-        f"{'mode':22s} {'median s':>9s} {'tok/s':>8s} {'x default':>9s} {'warm-up s':>9s}  "
-        "same tokens  max |dlogp|"
+        f"{'batch':>5s} {'path':22s} {'ms/step':>8s} {'tok/s':>8s} {'overhead ms':>11s} {'x generate':>10s} "
+        f"{'warm-up s':>9s}  same tokens  max |dlogp|"
     )
-    for name, m in gen["modes"].items():
-        print(
-            f"{name:22s} {m['median_s']:9.4f} {m['tok_per_s']:8.0f} {m['speedup_vs_default']:9.3f} "
-            f"{m['warmup_s']:9.2f}  {str(m['same_tokens']):11s}  {m['max_logp_diff']:.2e}"
-        )
-    if gen["background_cores"] is not None:
-        print(f"other processes' CPU use while timing: {gen['background_cores']:.2f} cores")
-        if gen["background_cores"] > BUSY_CORES:
-            print("WARNING: the machine was busy while timing; these figures are not comparable. Rerun idle.")
+    for batch, result in dec.items():
+        for name, m in result["paths"].items():
+            ratio = m["overhead_vs_generate"]
+            print(
+                f"{batch:>5s} {name:22s} {m['ms_per_step']:8.3f} {m['tok_per_s']:8.0f} "
+                f"{m['overhead_ms_per_step']:11.3f} {'-' if ratio is None else f'{ratio:.2f}':>10s} "
+                f"{m['warmup_s']:9.2f}  {str(m.get('same_tokens', '-')):11s}  "
+                f"{m['max_logp_diff'] if 'max_logp_diff' in m else float('nan'):.2e}"
+            )
+        cores = result["background_cores"]
+        if cores is not None and cores > BUSY_CORES:
+            print(f"WARNING: {cores:.2f} cores of other load while timing batch {batch}; rerun idle.")
 
 
 def print_report(info: dict, args: argparse.Namespace, roll: dict, tf: dict, mem: str) -> None:
@@ -356,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         codebook_size=int(pipe.transformer.config.prior_vq_quantizer_codebook_size),
     )
     sections = set(args.sections.split(","))
-    unknown = sections - {"rollout", "teacher_forced", "generation"}
+    unknown = sections - {"rollout", "teacher_forced", "decoding"}
     if unknown or ("teacher_forced" in sections and "rollout" not in sections):
         raise SystemExit(f"--sections: unknown {sorted(unknown)} or teacher_forced without rollout")
     result = {
@@ -369,13 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         result["rollout"], samples = bench_rollout(args, pipe, params, device)
         result["teacher_forced"] = bench_teacher_forced(args, pipe, params, samples, device)
         print_report(info, args, result["rollout"], result["teacher_forced"], result["memory_kind"])
-    if "generation" in sections:
-        result["generation"] = bench_generation_modes(args, pipe, params, device)
+    if "decoding" in sections:
+        result["decoding"] = bench_decoding_paths(args, pipe, params, device)
         if "rollout" not in sections:
             print("\n== machine ==")
             for key, value in info.items():
                 print(f"  {key:15s} {value}")
-        print_generation_report(result["generation"])
+        print_decoding_report(result["decoding"])
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")

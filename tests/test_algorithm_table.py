@@ -36,6 +36,7 @@ from glm_training.config import (
 from glm_training.metrics import read_metrics
 from glm_training.parallel import STRATEGIES
 from glm_training.rewards.combine import COMBINE_FNS
+from glm_training.rollout.ar import DECODING_PATHS
 from glm_training.rollout.dit import SDE_STEPS, predict_velocity
 from glm_training.rollout.nft import keep_for_update, sample_ode
 from glm_training.trainers.ar_trainer import AGGREGATIONS, IMPORTANCE_SAMPLING
@@ -61,6 +62,7 @@ from glm_training.trainers.reward_trainer import ADVANTAGE_FNS
         (schema.AWM_WEIGHTINGS, awm.WEIGHTINGS),
         (schema.AWM_TIME_TYPES, awm.TIME_TYPES),
         (schema.AWM_ANCHOR_DECAY_TYPES, awm.ANCHOR_DECAY_TYPES),
+        (schema.DECODING_PATHS, DECODING_PATHS),
     ],
 )
 def test_each_choice_list_is_the_keys_of_the_table_it_picks_from(choices, table):

@@ -11,11 +11,13 @@ from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWa
 
 from glm_training.models.tiny import NUM_VISION_TOKENS
 from glm_training.rollout.ar import (
+    DECODING_PATHS,
     HF_DEFAULT_TEMPERATURE,
     HF_DEFAULT_TOP_K,
     HF_DEFAULT_TOP_P,
     SamplingParams,
     generation_speed_kwargs,
+    image_token_positions,
     process_logits,
     resolve_sampling_params,
     sample_image_tokens,
@@ -34,8 +36,16 @@ def pipeline(tiny_model_dir) -> GlmImagePipeline:
 
 @pytest.fixture(scope="module")
 def samples(pipeline):
+    """The default decoding path (the project's loop)."""
     params = SamplingParams.from_pipeline(pipeline)
     return sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0)
+
+
+@pytest.fixture(scope="module")
+def generated(pipeline):
+    """The same rollout through transformers' generate()."""
+    params = SamplingParams.from_pipeline(pipeline)
+    return sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, decoding="generate")
 
 
 def num_prompt_tokens(samples) -> int:
@@ -305,7 +315,7 @@ def test_rejects_generation_config_that_reshapes_logits(pipeline):
 # M-RoPE positions: the model internals the rollout relies on
 
 
-def test_positions_guard(pipeline, samples):
+def test_positions_guard(pipeline, generated):
     """Fails loudly if transformers changes what teacher forcing relies on.
 
     (1) `generate()` hands the text model (`get_decoder()`) (3, B, S) `position_ids`; `sample_image_tokens`
@@ -316,6 +326,7 @@ def test_positions_guard(pipeline, samples):
     teacher-forced logits equal generate()'s, whereas the model's own positions for the full sequence are
     different.
     """
+    samples = generated
     model = pipeline.vision_language_encoder
     assert model.get_decoder() is model.model.language_model
     positions = samples.position_ids
@@ -371,7 +382,7 @@ def test_positions_guard(pipeline, samples):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# faster generation: static KV cache, torch.compile of the decoding step
+# decoding paths: the project's loop against generate(); generate()'s static KV cache; the compiled loop
 
 
 def _assert_same_distribution(fast, reference, pipeline, params):
@@ -398,27 +409,108 @@ def _assert_same_distribution(fast, reference, pipeline, params):
     torch.testing.assert_close(log_probs[mask], fast.sampling_log_probs[mask], rtol=0, atol=1e-5)
 
 
-def test_static_cache_samples_the_same_tokens_and_log_probs(pipeline, samples):
-    params = SamplingParams.from_pipeline(pipeline)
+def _assert_same_rollout(loop, generated):
+    """The loop's rollout is generate()'s: every field equal, log-probs within 1e-6.
+
+    The log-probs are not bitwise equal: the loop's preallocated cache makes attention sum over the whole
+    sequence length (masked), generate()'s dynamic one over the tokens so far (measured: up to 9.5e-7, i.e.
+    two float32 steps at |log p| ~ 6).
+    """
+    for name in ("input_ids", "attention_mask", "position_ids", "completion_mask", "prior_token_ids"):
+        assert torch.equal(getattr(loop, name), getattr(generated, name)), name
+    assert torch.equal(loop.image_grid_thw, generated.image_grid_thw)
+    assert loop.extra.keys() == generated.extra.keys()
+    mask = generated.completion_mask
+    assert (loop.sampling_log_probs[~mask] == 0).all()
+    torch.testing.assert_close(loop.sampling_log_probs, generated.sampling_log_probs, rtol=0, atol=1e-6)
+
+
+def test_the_decoding_loop_is_generates_rollout(samples, generated):
     assert not samples.attention_mask[:, 0].all(), "the batch should be left-padded"
-    fast = sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, static_cache=True)
-    _assert_same_distribution(fast, samples, pipeline, params)
+    _assert_same_rollout(samples, generated)
 
 
-@pytest.mark.slow  # compiling the decoding step takes ~30 s on a CPU core
-def test_compiled_decoding_samples_the_same_tokens_and_log_probs(pipeline, samples):
+# (prompts, height, width, sampling settings, seed): batch sizes 1 to 8 with left padding, three grid shapes,
+# the filters alone and together.
+DECODING_CASES = [
+    (["a"], 96, 64, {"temperature": 1.0}, 11),
+    (PROMPTS[:3], 64, 96, {"temperature": 1.3, "top_k": 20}, 5),
+    (PROMPTS, 64, 64, {"temperature": 0.7, "top_p": 0.8}, 3),
+    (PROMPTS * 2, 64, 64, {"temperature": 0.9, "top_p": 0.75, "top_k": 50}, 2),
+]
+
+
+@pytest.mark.parametrize("prompts, height, width, knobs, seed", DECODING_CASES, ids=["b1", "b3", "b4", "b8"])
+def test_the_decoding_loop_draws_generates_tokens(pipeline, prompts, height, width, knobs, seed):
+    codebook_size = pipeline.transformer.config.prior_vq_quantizer_codebook_size
+    params = SamplingParams(**knobs, codebook_size=codebook_size)
+    rollouts = {
+        decoding: sample_image_tokens(pipeline, prompts, height, width, params, seed=seed, decoding=decoding)
+        for decoding in DECODING_PATHS
+    }
+    _assert_same_rollout(rollouts["loop"], rollouts["generate"])
+    # The recorded log-probs are the policy's: teacher forcing reproduces them.
+    with torch.no_grad():
+        log_probs = teacher_forced_log_probs(pipeline.vision_language_encoder, rollouts["loop"], params)
+    mask = rollouts["loop"].completion_mask
+    torch.testing.assert_close(log_probs[mask], rollouts["loop"].sampling_log_probs[mask], rtol=0, atol=1e-5)
+
+
+def test_the_loop_equals_generate_with_a_static_cache_bit_for_bit(pipeline):
+    # One prompt (no padding, so no position shift): both attend over the same preallocated cache, and the
+    # log-probs are equal to the bit.
     params = SamplingParams.from_pipeline(pipeline)
-    fast = sample_image_tokens(
-        pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, static_cache=True, compile=True
+    loop = sample_image_tokens(pipeline, PROMPTS[:1], HEIGHT, WIDTH, params, seed=4)
+    static = sample_image_tokens(
+        pipeline, PROMPTS[:1], HEIGHT, WIDTH, params, seed=4, decoding="generate", static_cache=True
     )
-    _assert_same_distribution(fast, samples, pipeline, params)
+    assert torch.equal(loop.input_ids, static.input_ids)
+    assert torch.equal(loop.sampling_log_probs, static.sampling_log_probs)
 
 
-def test_generation_speed_kwargs():
-    assert generation_speed_kwargs(False, False) == {}
+def test_image_token_positions_are_the_models_decode_layout(pipeline, generated):
+    # Against GLM-Image's own decode-time layout (`get_rope_index`'s cache, as generate() uses it).
+    prompt_len = num_prompt_tokens(generated)
+    inner = pipeline.vision_language_encoder.model
+    prompt_positions, _ = inner.get_rope_index(
+        generated.input_ids[:, :prompt_len],
+        image_grid_thw=generated.image_grid_thw,
+        images_per_sample=generated.extra["images_per_sample"],
+        attention_mask=generated.attention_mask[:, :prompt_len],
+    )
+    grids = generated.image_grid_thw.view(len(PROMPTS), -1, 3)
+    positions = image_token_positions(prompt_positions, generated.attention_mask[:, :prompt_len], grids)
+    assert torch.equal(positions, inner._cached_decode_position_ids.permute(1, 0, 2))
+
+
+def test_static_cache_samples_the_same_tokens_and_log_probs(pipeline, generated):
+    params = SamplingParams.from_pipeline(pipeline)
+    assert not generated.attention_mask[:, 0].all(), "the batch should be left-padded"
+    fast = sample_image_tokens(
+        pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, decoding="generate", static_cache=True
+    )
+    _assert_same_distribution(fast, generated, pipeline, params)
+
+
+@pytest.mark.slow  # compiling the decoding step takes ~25 s on 2 CPU cores
+def test_the_compiled_decoding_loop_draws_the_same_tokens(pipeline, samples):
+    params = SamplingParams.from_pipeline(pipeline)
+    compiled = sample_image_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, compile=True)
+    for name in ("input_ids", "position_ids", "completion_mask", "prior_token_ids"):
+        assert torch.equal(getattr(compiled, name), getattr(samples, name)), name
+    # Inductor's kernels sum in their own order: equal up to float32 rounding.
+    torch.testing.assert_close(compiled.sampling_log_probs, samples.sampling_log_probs, rtol=0, atol=1e-5)
+
+
+def test_decoding_options_are_checked():
+    assert generation_speed_kwargs(False) == {}
     # A static cache alone must not compile (transformers would, on CUDA, by default).
-    assert generation_speed_kwargs(True, False) == {"cache_implementation": "static", "disable_compile": True}
-    kwargs = generation_speed_kwargs(True, True)
-    assert kwargs["cache_implementation"] == "static" and kwargs["compile_config"]._compile_all_devices
-    with pytest.raises(ValueError, match="static_cache"):
-        generation_speed_kwargs(False, True)
+    assert generation_speed_kwargs(True) == {"cache_implementation": "static", "disable_compile": True}
+    params = SamplingParams()
+    for kwargs, needle in [
+        ({"decoding": "beam"}, "decoding must be one of"),
+        ({"decoding": "loop", "static_cache": True}, "always preallocates"),
+        ({"decoding": "generate", "compile": True}, "compile applies to decoding='loop'"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            sample_image_tokens(None, PROMPTS, HEIGHT, WIDTH, params, seed=0, **kwargs)

@@ -194,24 +194,26 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override, key",
+    "overrides, key",
     [
-        ("sampling.compile=true", "sampling.compile"),  # needs sampling.static_cache=true
-        ("algo.importance_sampling_level=seq", "algo.importance_sampling_level"),
-        ("algo.min_group_std=-0.1", "algo.min_group_std"),
-        ("sampling.top_p=0", "sampling.top_p"),
+        (["sampling.decoding=generate", "sampling.compile=true"], "sampling.compile"),  # the loop compiles
+        (["sampling.static_cache=true"], "sampling.static_cache"),  # the loop always preallocates
+        (["sampling.decoding=beam"], "sampling.decoding"),
+        (["algo.importance_sampling_level=seq"], "algo.importance_sampling_level"),
+        (["algo.min_group_std=-0.1"], "algo.min_group_std"),
+        (["sampling.top_p=0"], "sampling.top_p"),
     ],
 )
-def test_bad_issue14_settings_fail_naming_the_key(override, key):
+def test_bad_issue14_settings_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
-        load_config([override], "ar_training")
+        load_config(overrides, "ar_training")
     assert err.value.key == key
 
 
 def test_sampling_knobs_default_to_the_pipelines_own():
     cfg = load_config([], "ar_training")
     assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (None, None, None)
-    assert not cfg.sampling.static_cache and not cfg.sampling.compile
+    assert cfg.sampling.decoding == "loop" and not cfg.sampling.static_cache and not cfg.sampling.compile
     assert cfg.algo.importance_sampling_level == "token" and cfg.algo.min_group_std == 0.0
 
 

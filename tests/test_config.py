@@ -110,7 +110,7 @@ def test_unsupported_engines_are_refused_with_the_fix(overrides, field, needle):
 
 
 def test_compiled_ar_sampling_under_fsdp_is_refused_with_the_fix():
-    overrides = ["trainer.strategy=fsdp", "sampling.static_cache=true", "sampling.compile=true"]
+    overrides = ["trainer.strategy=fsdp", "sampling.compile=true"]
     with pytest.raises(ConfigError, match="sampling.compile") as info:
         load_config(overrides, "ar_training")
     needle = "sampling.compile=false"

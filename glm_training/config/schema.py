@@ -73,6 +73,7 @@ SCALE_REWARDS = ("group", "batch", "none")  # trainers/reward_trainer.py ADVANTA
 REWARD_COMBINES = ("weighted_sum", "normalized_sum")  # rewards/combine.py COMBINE_FNS
 STRATEGIES = ("ddp", "fsdp")  # parallel.py STRATEGIES
 CHECKPOINT_FORMATS = ("gathered", "sharded")
+DECODING_PATHS = ("loop", "generate")  # rollout/ar.py DECODING_PATHS
 SDE_TYPES = ("flow_sde", "cps")  # rollout/dit.py SDE_STEPS
 CPS_LOG_PROBS = ("flow_grpo", "gaussian")  # algorithms/sde.py LOG_PROBS
 SDE_WINDOW_SCHEDULES = ("random", "progressive")  # trainers/dit_trainer.py WINDOW_STARTS
@@ -938,16 +939,30 @@ class ARSamplingConfig:
     top_k: int | None = option(
         None, "top-k filter (0 = off; null = the pipeline's, transformers' 50 when unset)"
     )
-    static_cache: bool = option(
-        False,
+    decoding: str = option(
+        "loop",
         (
-            'A static KV cache (transformers\' cache_implementation="static"): faster generation, '
-            "the same tokens for the same seed, log-probs equal up to fp32 rounding "
+            "How image tokens are decoded. loop: the project's own decoding loop (positions computed up "
+            "front, a preallocated KV cache, each token's log-prob computed in its step; ~20% faster than "
+            "generate() on CPU, see docs/benchmarks.md); generate: transformers' generate(). Both draw "
+            "the same tokens for a seed and record the same log-probs up to float rounding "
             "(tests/test_ar_logprobs.py)."
         ),
     )
+    static_cache: bool = option(
+        False,
+        (
+            'decoding=generate only: a static KV cache (transformers\' cache_implementation="static"), '
+            "the same tokens for the same seed, log-probs equal up to fp32 rounding. The loop always "
+            "preallocates its cache."
+        ),
+    )
     compile: bool = option(
-        False, "torch.compile of the decoding step (needs static_cache; compiles on first use)"
+        False,
+        (
+            "decoding=loop only: torch.compile of the decoding step (CUDA graphs on CUDA); compiles on first "
+            "use and for every new batch size or resolution. The same tokens for the same seed."
+        ),
     )
     dit_num_steps: int = option(
         4, "denoising steps of the frozen DiT that renders each sample for the reward"
@@ -978,11 +993,17 @@ class ARSamplingConfig:
         )
         _check(self.top_p is None or 0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1]; {unset}")
         _check(self.top_k is None or self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off); {unset}")
+        _check_choice(self.decoding, DECODING_PATHS, "sampling.decoding")
         _check(
-            self.static_cache or not self.compile,
+            self.decoding == "generate" or not self.static_cache,
+            "sampling.static_cache",
+            "applies to sampling.decoding=generate; the decoding loop always preallocates its KV cache. "
+            "Drop sampling.static_cache, or set sampling.decoding=generate.",
+        )
+        _check(
+            self.decoding == "loop" or not self.compile,
             "sampling.compile",
-            "transformers compiles the decoding step only with a static KV cache; set "
-            "sampling.static_cache=true.",
+            "compiles the decoding loop's step; set sampling.decoding=loop, or sampling.compile=false.",
         )
         _check(self.dit_num_steps >= 1, "sampling.dit_num_steps", "must be >= 1.")
         _check_choice(self.dit_noise_seed, ("step", "prompt"), "sampling.dit_noise_seed")

@@ -230,7 +230,6 @@ def build_shape_pipeline(
     The vision tower and the glyph encoder keep one layer each (frozen, and unused by text-to-image apart from
     the glyph encoder's one pass per prompt). Weights are created directly in ``dtype``.
     """
-    processor = _build_processor()
     with tiny._BUILD_LOCK, torch.random.fork_rng(devices=[]), _default_dtype(dtype):
         torch.default_generator.manual_seed(seed * 1000 + 1)
         text_encoder = T5EncoderModel(glyph_config(1))
@@ -240,6 +239,20 @@ def build_shape_pipeline(
         vae = AutoencoderKL(**VAE_CONFIG)
         torch.default_generator.manual_seed(seed * 1000 + 4)
         transformer = GlmImageTransformer2DModel(**dit_config(num_dit_layers))
+    return finish_shape_pipeline(text_encoder, ar, vae, transformer)
+
+
+def finish_shape_pipeline(
+    text_encoder: T5EncoderModel,
+    ar: GlmImageForConditionalGeneration,
+    vae: AutoencoderKL,
+    transformer: GlmImageTransformer2DModel,
+) -> GlmImagePipeline:
+    """The fixture's pipeline around its four weight-holding components, built by the caller at any depth, on
+    any device (`build_shape_pipeline`: on the CPU; `glm_training.gpu_check`: on the meta device, then
+    materialised on the GPU): the AR head's rows outside the codebook zeroed, the AR generation config, the
+    offline processor and glyph tokenizer, GLM-Image's scheduler."""
+    processor = _build_processor()
     # The trained model writes only codebook tokens inside an image; random weights would also write the
     # vision vocabulary's other entries (image start / end, ...: ids >= 16384), which are no DiT prior token
     # (an IndexError in its prior embedding) and, sampled or not, depend on the CPU's rounding. Their output

@@ -28,21 +28,29 @@ tests/test_ar_logprobs.py: `get_decoder()` is the text model; it receives `posit
 a keyword argument at every step of `generate()`; an explicit `position_ids` makes the model skip its own
 position computation. No private attribute is read.
 
-Faster generation (`generation_speed_kwargs`): a static KV cache and torch.compile of the decoding step,
-both transformers' own generate() options, change neither the tokens sampled for a seed nor (beyond fp32
-rounding) their log-probs; tests/test_ar_logprobs.py compares them with the default path. Compiling on a
-CPU sets transformers' `CompileConfig._compile_all_devices` flag (its documented switch for that).
+Two decoding paths (`DECODING_PATHS`) draw the same tokens. The default, `_decode_loop`, is the project's
+own loop: image-token positions depend only on the target grids, so they are computed before the first step
+(`image_token_positions`); the KV cache is allocated once for the whole sequence; each step keeps only the
+drawn token's log-prob (generate()'s `output_scores` keeps a [B, vocabulary] float32 tensor per step: 85 MB
+a sample at 1024x1024); and its fixed-shape step can be compiled into one graph (`compile`: CUDA graphs on
+CUDA). "generate" is transformers' generate() with the position-recording hook, optionally with its static
+KV cache (`generation_speed_kwargs`). tests/test_ar_logprobs.py holds the two to the same tokens, positions
+and (up to float rounding) log-probs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StaticCache
+
+# sample_image_tokens' decoding paths: the project's own loop (default) and transformers' generate().
+DECODING_PATHS = ("loop", "generate")
 
 # transformers' defaults for the sampling knobs that neither the pipeline nor a generation_config may set:
 # GlmImagePipeline passes only do_sample=True, so an unset top_k means top-k 50.
@@ -157,6 +165,12 @@ def resolve_sampling_params(
     return params, f"AR sampling: {shown} ({source})"
 
 
+@functools.lru_cache(maxsize=8)
+def _outside_codebook(vocab_size: int, codebook_size: int, device: torch.device) -> Tensor:
+    """[V] bool: the ids a sample may not take (built once, not at every decoding step)."""
+    return torch.arange(vocab_size, device=device) >= codebook_size
+
+
 def _filtered_logits(logits: Tensor, params: SamplingParams, keep_ids: Tensor | None = None) -> Tensor:
     """float32 logits [..., V] after codebook mask, temperature, top-k, top-p (filtered entries -inf).
 
@@ -167,7 +181,7 @@ def _filtered_logits(logits: Tensor, params: SamplingParams, keep_ids: Tensor | 
     logits = logits.float()
     vocab_size = logits.shape[-1]
     if params.codebook_size is not None and params.codebook_size < vocab_size:
-        outside = torch.arange(vocab_size, device=logits.device) >= params.codebook_size
+        outside = _outside_codebook(vocab_size, params.codebook_size, logits.device)
         logits = logits.masked_fill(outside, -math.inf)
     if params.temperature != 1.0:
         logits = logits / params.temperature
@@ -247,26 +261,16 @@ def _module_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def generation_speed_kwargs(static_cache: bool, compile: bool) -> dict[str, Any]:
-    """generate() arguments for a static KV cache and torch.compile of the decoding step.
+def generation_speed_kwargs(static_cache: bool) -> dict[str, Any]:
+    """generate() arguments for a static KV cache (transformers' `cache_implementation="static"`).
 
-    Neither changes what is computed: the logits processor, the sampling and the RNG stream are the same,
-    only the cache's memory layout and the kernels differ. Without `compile`, transformers' automatic
-    compilation (on by default with a static cache on CUDA) is switched off so that the switch means what it
-    says; with it, compilation is forced on every device type (transformers compiles only on accelerators by
-    default). The prefill step always runs eagerly (transformers compiles only the one-token steps).
+    It changes neither the logits processor, the sampling nor the RNG stream, only the cache's memory layout.
+    transformers' automatic compilation (on by default with a static cache on CUDA) is switched off: the
+    compiled decoding step is the loop's (`sample_image_tokens(decoding="loop", compile=True)`).
     """
-    if compile and not static_cache:
-        raise ValueError(
-            "compile=True needs static_cache=True: transformers compiles only with a static cache."
-        )
     if not static_cache:
         return {}
-    if not compile:
-        return {"cache_implementation": "static", "disable_compile": True}
-    compile_config = CompileConfig()
-    compile_config._compile_all_devices = True  # transformers' flag for compiling off CUDA (e.g. CPU)
-    return {"cache_implementation": "static", "compile_config": compile_config}
+    return {"cache_implementation": "static", "disable_compile": True}
 
 
 def _check_generation_config(model) -> None:
@@ -303,6 +307,21 @@ def chat_inputs(pipeline, prompts: list[str], height: int, width: int):
     )
 
 
+def _check_decoding(decoding: str, static_cache: bool, compile: bool) -> None:
+    if decoding not in DECODING_PATHS:
+        raise ValueError(f"decoding must be one of {DECODING_PATHS}, got {decoding!r}.")
+    if decoding == "loop" and static_cache:
+        raise ValueError(
+            "static_cache applies to decoding='generate' (transformers' cache_implementation='static'); the "
+            "decoding loop always preallocates its KV cache. Drop static_cache."
+        )
+    if decoding == "generate" and compile:
+        raise ValueError(
+            "compile applies to decoding='loop' (the loop's fixed-shape step compiles into one graph); "
+            "use decoding='loop', or drop compile."
+        )
+
+
 @torch.no_grad()
 def sample_image_tokens(
     pipeline,
@@ -311,6 +330,7 @@ def sample_image_tokens(
     width: int,
     params: SamplingParams,
     seed: int,
+    decoding: str = "loop",
     static_cache: bool = False,
     compile: bool = False,
 ) -> ARSamples:
@@ -322,9 +342,18 @@ def sample_image_tokens(
     so that the caller's RNG state is left as it was: with `SamplingParams.from_pipeline(pipeline)` the
     tokens equal the pipeline's for the same seed. Returns everything on CPU.
 
-    Faster decoding, same distribution (`generation_speed_kwargs`): `static_cache` preallocates the KV cache
-    for the whole sequence, `compile` (needs `static_cache`) runs the decoding step through torch.compile.
+    `decoding` (`DECODING_PATHS`), two ways to the same tokens:
+
+    * "loop" (default): the project's own decoding loop (`_decode_loop`): positions computed up front, a
+      preallocated KV cache, each sampled token's log-prob computed in its step; `compile` runs the decoding
+      step through torch.compile (CUDA graphs on CUDA).
+    * "generate": transformers' `generate()` with `output_scores` and a hook recording the positions;
+      `static_cache` preallocates its KV cache (`generation_speed_kwargs`).
+
+    Both draw the same tokens for a seed (one `torch.multinomial` per step on the same probabilities; bit for
+    bit on CPU in float32) and record the same log-probs up to float rounding (tests/test_ar_logprobs.py).
     """
+    _check_decoding(decoding, static_cache, compile)
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}.")
     if not prompts:
@@ -343,7 +372,7 @@ def sample_image_tokens(
         )
 
     # Per-sample target grids as the processor lists them: the large (H/32 x W/32) grid first, then the
-    # preview. generate() writes them in reverse order (preview first), then one extra token.
+    # preview. Decoding writes them in reverse order (preview first), then one extra token.
     image_grid_thw = inputs["image_grid_thw"]
     num_grids = image_grid_thw.shape[0] // batch_size
     grid_sizes = [int(h * w) for _, h, w in image_grid_thw[:num_grids].tolist()]
@@ -354,43 +383,26 @@ def sample_image_tokens(
     num_grid_tokens = sum(grid_sizes)
     large_offset = num_grid_tokens - grid_sizes[0]
     max_new_tokens = num_grid_tokens + 1
-
-    recorded_positions: list[Tensor] = []
-
-    # Kept out of torch.compile's graph (`sampling.compile`): traced, the growing list would be a guard and
-    # force a recompilation at every step. Run eagerly, it costs one graph break per step. The copy: under
-    # CUDA graphs the positions are a graph output, whose memory the next step overwrites.
-    @torch.compiler.disable
-    def record_positions(module, args, kwargs):
-        position_ids = kwargs.get("position_ids")
-        recorded_positions.append(None if position_ids is None else position_ids.clone())
-
-    hook = model.get_decoder().register_forward_pre_hook(record_positions, with_kwargs=True)
-    fork_devices = [device] if device.type != "cpu" else []
-    try:
-        with torch.random.fork_rng(devices=fork_devices, device_type=device.type if fork_devices else "cuda"):
-            torch.manual_seed(seed)
-            outputs = model.generate(
-                **{key: value.to(device) for key, value in inputs.items()},
-                max_new_tokens=max_new_tokens,
-                do_sample=True,
-                logits_processor=LogitsProcessorList([_SamplingLogitsProcessor(params)]),
-                output_scores=True,
-                return_dict_in_generate=True,
-                **_NEUTRAL_GENERATION_KWARGS,
-                **generation_speed_kwargs(static_cache, compile),
-            )
-    finally:
-        hook.remove()
-
-    sequences = outputs.sequences.cpu()
     total_length = num_prompt_tokens + max_new_tokens
-    if sequences.shape != (batch_size, total_length):
+
+    device_inputs = {key: value.to(device) for key, value in inputs.items()}
+    fork_devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=fork_devices, device_type=device.type if fork_devices else "cuda"):
+        torch.manual_seed(seed)
+        if decoding == "loop":
+            sequences, position_ids, step_log_probs = _decode_loop(
+                model, device_inputs, max_new_tokens, num_grid_tokens, params, compile
+            )
+        else:
+            sequences, position_ids, step_log_probs = _decode_with_generate(
+                model, device_inputs, max_new_tokens, num_grid_tokens, params, static_cache
+            )
+    if position_ids.shape != (3, batch_size, total_length):
         raise RuntimeError(
-            f"generate() returned {tuple(sequences.shape)} tokens, expected {(batch_size, total_length)}: a "
-            "sequence ended early (image-end sampled?). Set SamplingParams.codebook_size to the DiT's prior "
-            "vocabulary size so that only codebook tokens can be sampled."
+            f"Positions of shape {tuple(position_ids.shape)}, expected {(3, batch_size, total_length)}; "
+            "glm_training.rollout.ar needs updating for this transformers version."
         )
+
     generated = sequences[:, num_prompt_tokens:]
     prior_vocab = int(pipeline.transformer.config.prior_vq_quantizer_codebook_size)
     if int(generated[:, :num_grid_tokens].max()) >= prior_vocab:
@@ -399,28 +411,10 @@ def sample_image_tokens(
             f"SamplingParams.codebook_size={prior_vocab}."
         )
 
-    # Positions: prefill (3, B, L0), then one (3, B, 1) per decode step. The last token is sampled but never
-    # fed back, so generate() used no position for it; its column repeats the previous one and is never read.
-    if any(pos is None or pos.dim() != 3 or pos.shape[0] != 3 for pos in recorded_positions):
-        raise RuntimeError(
-            "transformers no longer passes (3, B, S) M-RoPE position_ids to GLM-Image's text model during "
-            "generate(); glm_training.rollout.ar needs updating for this transformers version."
-        )
-    position_ids = torch.cat([pos.cpu() for pos in recorded_positions], dim=-1)
-    if position_ids.shape != (3, batch_size, total_length - 1):
-        raise RuntimeError(
-            f"Recorded positions of shape {tuple(position_ids.shape)}, expected "
-            f"{(3, batch_size, total_length - 1)}; glm_training.rollout.ar needs updating."
-        )
-    position_ids = torch.cat([position_ids, position_ids[:, :, -1:]], dim=-1)
-
     completion_mask = torch.zeros(batch_size, total_length, dtype=torch.bool)
     completion_mask[:, num_prompt_tokens : num_prompt_tokens + num_grid_tokens] = True
     sampling_log_probs = torch.zeros(batch_size, total_length, dtype=torch.float32)
-    for step in range(num_grid_tokens):
-        step_log_probs = torch.log_softmax(outputs.scores[step].float(), dim=-1).cpu()
-        token = generated[:, step : step + 1]
-        sampling_log_probs[:, num_prompt_tokens + step] = step_log_probs.gather(-1, token).squeeze(-1)
+    sampling_log_probs[:, num_prompt_tokens : num_prompt_tokens + num_grid_tokens] = step_log_probs
 
     large_grid = generated[:, large_offset : large_offset + large_h * large_w]
     own_fields = ("input_ids", "attention_mask", "image_grid_thw")
@@ -437,6 +431,174 @@ def sample_image_tokens(
         image_grid_thw=image_grid_thw,
         extra=extra,
     )
+
+
+def _decode_with_generate(
+    model, inputs: dict[str, Tensor], max_new_tokens: int, num_grid_tokens: int, params, static_cache: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """transformers' generate(): (sequences [B, L], positions [3, B, L], log-probs [B, grid tokens]), CPU."""
+    batch_size, num_prompt_tokens = inputs["input_ids"].shape
+    total_length = num_prompt_tokens + max_new_tokens
+    recorded_positions: list[Tensor] = []
+
+    def record_positions(module, args, kwargs):
+        position_ids = kwargs.get("position_ids")
+        recorded_positions.append(None if position_ids is None else position_ids.clone())
+
+    hook = model.get_decoder().register_forward_pre_hook(record_positions, with_kwargs=True)
+    try:
+        outputs = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            logits_processor=LogitsProcessorList([_SamplingLogitsProcessor(params)]),
+            output_scores=True,
+            return_dict_in_generate=True,
+            **_NEUTRAL_GENERATION_KWARGS,
+            **generation_speed_kwargs(static_cache),
+        )
+    finally:
+        hook.remove()
+
+    sequences = outputs.sequences.cpu()
+    if sequences.shape != (batch_size, total_length):
+        raise RuntimeError(
+            f"generate() returned {tuple(sequences.shape)} tokens, expected {(batch_size, total_length)}: a "
+            "sequence ended early (image-end sampled?). Set SamplingParams.codebook_size to the DiT's prior "
+            "vocabulary size so that only codebook tokens can be sampled."
+        )
+
+    # Positions: prefill (3, B, L0), then one (3, B, 1) per decode step. The last token is sampled but never
+    # fed back, so generate() used no position for it; its column repeats the previous one and is never read.
+    if any(pos is None or pos.dim() != 3 or pos.shape[0] != 3 for pos in recorded_positions):
+        raise RuntimeError(
+            "transformers no longer passes (3, B, S) M-RoPE position_ids to GLM-Image's text model during "
+            "generate(); glm_training.rollout.ar needs updating for this transformers version."
+        )
+    position_ids = torch.cat([pos.cpu() for pos in recorded_positions], dim=-1)
+    position_ids = torch.cat([position_ids, position_ids[:, :, -1:]], dim=-1)
+
+    log_probs = torch.zeros(batch_size, num_grid_tokens, dtype=torch.float32)
+    generated = sequences[:, num_prompt_tokens:]
+    for step in range(num_grid_tokens):
+        step_log_probs = torch.log_softmax(outputs.scores[step].float(), dim=-1).cpu()
+        log_probs[:, step] = step_log_probs.gather(-1, generated[:, step : step + 1]).squeeze(-1)
+    return sequences, position_ids, log_probs
+
+
+def image_token_positions(prompt_positions: Tensor, prompt_mask: Tensor, grids_thw: Tensor) -> Tensor:
+    """M-RoPE positions [3, B, N + 1] of the tokens a text-to-image rollout generates.
+
+    `prompt_positions` [3, B, L0]: the prompt's (GLM-Image's `get_rope_index`); `prompt_mask` [B, L0];
+    `grids_thw` [B, G, 3]: each sample's target grids as the processor lists them (large first). Generation
+    writes the grids in reverse order, each laid out in 2D from the next free position `p` (temporal `p`,
+    height `p + row`, width `p + column`; then `p += max(h, w)`), and ends with one token at `p` on all three
+    rows: GLM-Image's decode-time layout (transformers' `GlmImageModel.get_rope_index`). They depend only on
+    the grids, so a rollout computes them before its first step; tests/test_ar_logprobs.py checks them against
+    the positions generate() feeds the model.
+    """
+    columns = []
+    for b in range(prompt_mask.shape[0]):
+        valid = prompt_mask[b].bool()
+        start = int(prompt_positions[:, b, valid].max()) + 1
+        rows = []
+        for _, h, w in reversed(grids_thw[b].tolist()):
+            row = torch.arange(h).repeat_interleave(w)
+            col = torch.arange(w).repeat(h)
+            rows.append(torch.stack([torch.full((h * w,), start), start + row, start + col]))
+            start += max(h, w)
+        rows.append(torch.full((3, 1), start))
+        columns.append(torch.cat(rows, dim=-1))
+    return torch.stack(columns, dim=1).to(prompt_positions.device, prompt_positions.dtype)
+
+
+def _decode_loop(
+    model, inputs: dict[str, Tensor], max_new_tokens: int, num_grid_tokens: int, params, compile: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The project's decoding loop: (sequences [B, L], positions [3, B, L], log-probs [B, grid tokens]), CPU.
+
+    The same computation as generate()'s sampling loop, without its per-step machinery: the prompt is
+    prefilled once (`logits_to_keep=1`), then each step feeds the last token with its precomputed position
+    into a KV cache allocated for the whole sequence (transformers' `StaticCache`), takes the last logits in
+    float32, applies `_filtered_logits`, draws with `torch.multinomial` on their softmax (generate()'s draw,
+    one per step, so the RNG stream is the same) and keeps only the drawn token's log-prob. The last token is
+    drawn but never fed back, as in generate(). Every step's inputs are fixed-shape buffers updated in place,
+    so that `compile` can capture the decoding step as one graph (torch.compile; "reduce-overhead", i.e. CUDA
+    graphs, on CUDA); sampling stays eager so that the draws are generate()'s.
+    """
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    device = input_ids.device
+    batch_size, num_prompt_tokens = input_ids.shape
+    total_length = num_prompt_tokens + max_new_tokens
+    forward_inputs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+
+    prompt_positions, _ = model.model.get_rope_index(
+        input_ids,
+        image_grid_thw=inputs["image_grid_thw"],
+        images_per_sample=inputs.get("images_per_sample"),
+        attention_mask=attention_mask,
+    )
+    grids = inputs["image_grid_thw"].view(batch_size, -1, 3)
+    positions = torch.cat(
+        [prompt_positions, image_token_positions(prompt_positions, attention_mask, grids.cpu())], dim=-1
+    )
+    cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=total_length)
+    full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, max_new_tokens)], dim=1)
+    sequences = torch.cat([input_ids, input_ids.new_zeros(batch_size, max_new_tokens)], dim=1)
+    log_probs = torch.zeros(batch_size, num_grid_tokens, dtype=torch.float32, device=device)
+
+    outputs = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions[:, :, :num_prompt_tokens],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        **forward_inputs,
+    )
+    logits = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
+    del outputs
+
+    # The decoding step's inputs: fixed shapes and storage, refilled in place before each call.
+    step_ids = input_ids.new_zeros(batch_size, 1)
+    step_positions = positions.new_zeros(3, batch_size, 1)
+    step_cache_position = torch.zeros(1, dtype=torch.long, device=device)
+
+    def decode_step(ids: Tensor, position_ids: Tensor, cache_position: Tensor) -> Tensor:
+        out = model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=cache_position,
+        )
+        return out.logits[:, -1].to(dtype=torch.float32, copy=True)
+
+    step_fn = _compiled_step(decode_step, device) if compile else decode_step
+    for step in range(max_new_tokens):
+        filtered = _filtered_logits(logits, params)
+        tokens = torch.multinomial(torch.softmax(filtered, dim=-1), num_samples=1)
+        column = num_prompt_tokens + step
+        sequences[:, column] = tokens[:, 0]
+        if step < num_grid_tokens:
+            log_probs[:, step] = torch.log_softmax(filtered, dim=-1).gather(-1, tokens)[:, 0]
+        if step == max_new_tokens - 1:
+            break
+        step_ids.copy_(tokens)
+        step_positions.copy_(positions[:, :, column : column + 1])
+        step_cache_position.fill_(column)
+        logits = step_fn(step_ids, step_positions, step_cache_position)
+    # As generate() records them: the last token is never fed back, so its column repeats the previous one.
+    positions[:, :, -1] = positions[:, :, -2]
+    return sequences.cpu(), positions.cpu(), log_probs.cpu()
+
+
+def _compiled_step(decode_step, device: torch.device):
+    """torch.compile of the decoding step: CUDA graphs on CUDA ("reduce-overhead"), inductor elsewhere.
+    Fixed shapes (`dynamic=False`): one graph for every step of a rollout of a given batch and length."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=False)
 
 
 def teacher_forced_log_probs(model: nn.Module, samples: ARSamples, params: SamplingParams) -> Tensor:

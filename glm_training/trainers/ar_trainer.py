@@ -123,6 +123,7 @@ class ARTrainer(RewardTrainer):
                 s.width,
                 self.sampling_params,
                 seed=self.sample_seed(step, round_index),
+                decoding=s.decoding,
                 static_cache=s.static_cache,
                 compile=s.compile,
             )
