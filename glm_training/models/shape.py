@@ -41,10 +41,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+from collections.abc import Callable, Iterator
 
 import torch
 from diffusers import AutoencoderKL, GlmImagePipeline, GlmImageTransformer2DModel
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from torch import nn
 from transformers import (
     GlmImageConfig,
     GlmImageForConditionalGeneration,
@@ -57,10 +59,16 @@ from transformers import (
 
 from glm_training.models import tiny
 
-SHAPE_MODEL_VERSION: int = 3
+SHAPE_MODEL_VERSION: int = 4
 """Bump whenever a change here alters the saved folder; it is part of the cache directory name."""
 
 SHAPE_MODEL_NAME = "glm_image_shape"
+
+# The fixture's weights: biases 0, norm scales 1, everything else N(0, INIT_STD) values read from one seeded
+# block of BLOCK_LENGTH (2^20 - 3, prime: no row of a matrix narrower than it repeats another) at an offset
+# per tensor (`init_parameters_`).
+INIT_STD = 0.02
+BLOCK_LENGTH = 1_048_573
 
 # The real checkpoint's layer counts (the fixture keeps 1 of each by default).
 REAL_NUM_AR_LAYERS = 40
@@ -213,7 +221,7 @@ def _build_processor() -> GlmImageProcessor:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -222,24 +230,92 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or type(module).__name__.endswith("Norm")
+
+
+@torch.no_grad()
+def init_parameters_(module: nn.Module, block: torch.Tensor, salt: int) -> None:
+    """Biases 0, norm scales 1, every other parameter filled with the seeded block from its own offset.
+
+    `block` [2 * BLOCK_LENGTH]: N(0, INIT_STD) values, the first half repeated, on the module's device.
+    """
+    count = 0
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            if name.endswith("bias"):
+                param.zero_()
+            elif _is_norm(sub):
+                param.fill_(1.0)
+            else:
+                count += 1
+                offset = (salt * 1_000_003 + count * 7_919) % BLOCK_LENGTH
+                flat = param.view(-1)
+                done = 0
+                while done < flat.numel():
+                    take = min(BLOCK_LENGTH, flat.numel() - done)
+                    flat[done : done + take].copy_(block[offset : offset + take])
+                    done += take
+                    offset = (offset + take) % BLOCK_LENGTH
+
+
+def materialise(
+    factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, block: torch.Tensor, salt: int
+) -> nn.Module:
+    """`factory()` with its parameters on the meta device, then allocated on `device` and initialised.
+
+    Buffers (rotary frequencies) are computed on the CPU at construction, as the libraries do, and copied
+    over: `to_empty` would leave them uninitialised.
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False), _default_dtype(dtype):
+        module = factory()
+    buffers = dict(module.named_buffers())
+    module.to_empty(device=device)
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()  # to_empty gives tied parameters (T5's shared embedding) separate storage
+    init_parameters_(module, block.to(device=device, dtype=dtype), salt)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            module.get_buffer(name).copy_(value)
+    return module
+
+
 def build_shape_pipeline(
     num_ar_layers: int = 1, num_dit_layers: int = 1, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> GlmImagePipeline:
     """The real-width pipeline with ``num_ar_layers`` AR decoder layers and ``num_dit_layers`` DiT blocks.
 
     The vision tower and the glyph encoder keep one layer each (frozen, and unused by text-to-image apart from
-    the glyph encoder's one pass per prompt). Weights are created directly in ``dtype``.
+    the glyph encoder's one pass per prompt). Weights are created directly in ``dtype`` (`build_components`).
     """
-    with tiny._BUILD_LOCK, torch.random.fork_rng(devices=[]), _default_dtype(dtype):
-        torch.default_generator.manual_seed(seed * 1000 + 1)
-        text_encoder = T5EncoderModel(glyph_config(1))
-        torch.default_generator.manual_seed(seed * 1000 + 2)
-        ar = GlmImageForConditionalGeneration(glm_image_config(num_ar_layers, num_vision_layers=1))
-        torch.default_generator.manual_seed(seed * 1000 + 3)
-        vae = AutoencoderKL(**VAE_CONFIG)
-        torch.default_generator.manual_seed(seed * 1000 + 4)
-        transformer = GlmImageTransformer2DModel(**dit_config(num_dit_layers))
-    return finish_shape_pipeline(text_encoder, ar, vae, transformer)
+    layers = {"ar": num_ar_layers, "vision": 1, "dit": num_dit_layers, "glyph": 1}
+    with tiny._BUILD_LOCK:
+        return finish_shape_pipeline(**build_components(layers, torch.device("cpu"), dtype, seed))
+
+
+def build_components(
+    layers: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> dict[str, nn.Module]:
+    """The four weight-holding components at real widths with `layers` ({"ar", "vision", "dit", "glyph"})
+    layers per stack, built on the meta device, then allocated on `device` in `dtype` and initialised
+    (`init_parameters_`): no weight is ever created twice or anywhere else (the libraries' own initialisers
+    took ~20 s for one layer per stack on a 2-core CPU, in bf16; this, ~1 s). Returns the keyword arguments of
+    `finish_shape_pipeline`."""
+    factories = {
+        "text_encoder": lambda: T5EncoderModel(glyph_config(layers["glyph"])),
+        "ar": lambda: GlmImageForConditionalGeneration(glm_image_config(layers["ar"], layers["vision"])),
+        "vae": lambda: AutoencoderKL(**VAE_CONFIG),
+        "transformer": lambda: GlmImageTransformer2DModel(**dit_config(layers["dit"])),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    half = torch.randn(BLOCK_LENGTH, generator=generator) * INIT_STD
+    block = torch.cat([half, half]).to(device=device, dtype=dtype)
+    return {
+        name: materialise(factory, device, dtype, block, salt)
+        for salt, (name, factory) in enumerate(factories.items())
+    }
 
 
 def finish_shape_pipeline(

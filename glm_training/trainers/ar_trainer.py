@@ -184,8 +184,11 @@ class ARTrainer(RewardTrainer):
             for record, prompt_index, i in zip(rollout.records, group_ids, range(len(group_ids))):
                 record["prompt"] = group_prompts[prompt_index]
                 record["parts"] = {name: values[i].reshape(()) for name, values in parts.items()}
-            # Everyone sees every sample (as CPU tensors, moved to this rank's device on arrival).
-            everyone = dist.flatten(dist.gather_objects(rollout.records, device=self.device))
+            # Everyone sees every sample. Records are CPU tensors wherever they are (`split_samples`; the
+            # update collates them with CPU padding and moves each micro-batch to the device itself), so
+            # they arrive on the CPU: all on one device, never another rank's (seed 003), and not this
+            # rank's GPU either, where the collation's CPU padding would meet them.
+            everyone = dist.flatten(dist.gather_objects(rollout.records, device="cpu"))
             # Whole groups are gathered, so the totals combine every reward over complete groups.
             totals = self.rewards.combine(
                 {n: torch.stack([r["parts"][n] for r in everyone]).float().cpu() for n in parts}, k
