@@ -543,7 +543,6 @@ def _decode_loop(
         [prompt_positions, image_token_positions(prompt_positions, attention_mask, grids.cpu())], dim=-1
     )
     cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=total_length)
-    full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, max_new_tokens)], dim=1)
     sequences = torch.cat([input_ids, input_ids.new_zeros(batch_size, max_new_tokens)], dim=1)
     log_probs = torch.zeros(batch_size, num_grid_tokens, dtype=torch.float32, device=device)
 
@@ -559,15 +558,20 @@ def _decode_loop(
     logits = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
     del outputs
 
-    # The decoding step's inputs: fixed shapes and storage, refilled in place before each call.
+    # The decoding step's inputs: fixed shapes and storage, refilled in place before each call. The attention
+    # mask over the preallocated cache, [B, 1, 1, L] (True = attend), is the one transformers would build from
+    # the 2D mask at every step (the prompt's padding, and the cache up to the current token); prepared here,
+    # it opens one column a step, and the model takes it as given.
     step_ids = input_ids.new_zeros(batch_size, 1)
     step_positions = positions.new_zeros(3, batch_size, 1)
     step_cache_position = torch.zeros(1, dtype=torch.long, device=device)
+    step_mask = torch.zeros(batch_size, 1, 1, total_length, dtype=torch.bool, device=device)
+    step_mask[:, 0, 0, :num_prompt_tokens] = attention_mask.bool()
 
-    def decode_step(ids: Tensor, position_ids: Tensor, cache_position: Tensor) -> Tensor:
+    def decode_step(ids: Tensor, position_ids: Tensor, cache_position: Tensor, mask: Tensor) -> Tensor:
         out = model(
             input_ids=ids,
-            attention_mask=full_mask,
+            attention_mask=mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
@@ -588,7 +592,8 @@ def _decode_loop(
         step_ids.copy_(tokens)
         step_positions.copy_(positions[:, :, column : column + 1])
         step_cache_position.fill_(column)
-        logits = step_fn(step_ids, step_positions, step_cache_position)
+        step_mask[:, 0, 0, column] = True
+        logits = step_fn(step_ids, step_positions, step_cache_position, step_mask)
     # As generate() records them: the last token is never fed back, so its column repeats the previous one.
     positions[:, :, -1] = positions[:, :, -2]
     return sequences.cpu(), positions.cpu(), log_probs.cpu()
