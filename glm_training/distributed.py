@@ -14,10 +14,11 @@ Two rules from the project's seed bugs live here:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -221,6 +222,23 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     box = [to_device(obj, "cpu")]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+@contextlib.contextmanager
+def one_process_group(device: torch.device) -> Iterator[None]:
+    """A process group of this process alone (NCCL on CUDA, gloo elsewhere), so that the collectives above
+    run for real in one process (`glm_training.gpu_check`'s gather check); nothing if a group exists."""
+    if is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def shard_bounds(total: int, rank: int, num_ranks: int) -> tuple[int, int]:

@@ -460,7 +460,6 @@ def _check_loading_bounded(settings: Settings, model_cfg, folder: Path) -> tuple
 def _check_gather(settings: Settings, model_cfg, folder: Path) -> tuple[bool, str]:
     """ARTrainer._collect's exchange: rollout records (CPU) plus reward tensors on the device, gathered by
     `distributed.gather_objects` through a real collective (a one-process group made here), then stacked."""
-    import torch.distributed as torch_dist
     from diffusers import GlmImagePipeline
 
     from glm_training import distributed as dist
@@ -471,17 +470,9 @@ def _check_gather(settings: Settings, model_cfg, folder: Path) -> tuple[bool, st
     records = split_samples(samples)
     for i, record in enumerate(records):
         record["parts"] = {"reward": torch.tensor(float(i), device=settings.device)}
-    own_group = not torch_dist.is_initialized()
-    if own_group:  # gather_objects skips the collective in a single process without a group
-        if settings.device.type == "cuda":
-            torch.cuda.set_device(settings.device)
-        backend = "nccl" if settings.device.type == "cuda" else "gloo"
-        torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
-    try:
+    # gather_objects skips the collective in a single process without a group: make one.
+    with dist.one_process_group(settings.device):
         everyone = dist.flatten(dist.gather_objects(records, device=settings.device))
-    finally:
-        if own_group:
-            torch_dist.destroy_process_group()
     devices = {
         str(v.device) for r in everyone for v in [*r.values(), *r["parts"].values()] if torch.is_tensor(v)
     }
@@ -510,12 +501,7 @@ def _in_memory(trainer_cls: type) -> type:
 
         def _build_model(self) -> GLMImageWrapper:
             self.prior_cache = None  # DiffusionTrainer's: the AR model samples the prior tokens
-            wrapper = GLMImageWrapper.__new__(GLMImageWrapper)  # what __init__ sets, minus the loading
-            wrapper.component, wrapper.model_name, wrapper.skipped = self.component, "in memory", ()
-            wrapper.pipeline = self.given_pipeline
-            for name, module in wrapper.components().items():
-                module.requires_grad_(name == wrapper.trainable_name)
-                module.train(False)
+            wrapper = GLMImageWrapper.from_pipeline(self.given_pipeline, self.component)
             self.device = next(wrapper.trainable.parameters()).device
             return wrapper
 

@@ -108,8 +108,21 @@ class GLMImageWrapper:
         ar = self.pipeline.vision_language_encoder
         if ar is not None and ar.generation_config.pad_token_id is None:
             ar.generation_config.pad_token_id = ar.generation_config.eos_token_id
+        self._freeze_all_but_the_trained_half()
+
+    @classmethod
+    def from_pipeline(cls, pipeline, component: str) -> GLMImageWrapper:
+        """A wrapper around a pipeline built in memory (`glm_training.gpu_check`'s, on the device it runs on):
+        nothing is loaded or moved; the components are frozen but `component`'s half, as after loading."""
+        wrapper = cls.__new__(cls)
+        wrapper.component, wrapper.model_name, wrapper.skipped = component, "in memory", ()
+        wrapper.pipeline = pipeline
+        wrapper._freeze_all_but_the_trained_half()
+        return wrapper
+
+    def _freeze_all_but_the_trained_half(self) -> None:
         for name, module in self.components().items():
-            module.requires_grad_(name == trained)
+            module.requires_grad_(name == self.trainable_name)
             module.train(False)
 
     @property

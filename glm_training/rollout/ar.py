@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessor, LogitsProcessorList, StaticCache
+from transformers.cache_utils import StaticLayer
 
 # sample_image_tokens' decoding paths: the project's own loop (default) and transformers' generate().
 DECODING_PATHS = ("loop", "generate")
@@ -542,7 +543,7 @@ def _decode_loop(
     positions = torch.cat(
         [prompt_positions, image_token_positions(prompt_positions, attention_mask, grids.cpu())], dim=-1
     )
-    cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=total_length)
+    cache = _RolloutCache(config=model.config.get_text_config(decoder=True), max_cache_len=total_length)
     sequences = torch.cat([input_ids, input_ids.new_zeros(batch_size, max_new_tokens)], dim=1)
     log_probs = torch.zeros(batch_size, num_grid_tokens, dtype=torch.float32, device=device)
 
@@ -597,6 +598,33 @@ def _decode_loop(
     # As generate() records them: the last token is never fed back, so its column repeats the previous one.
     positions[:, :, -1] = positions[:, :, -2]
     return sequences.cpu(), positions.cpu(), log_probs.cpu()
+
+
+class _AutocastStaticLayer(StaticLayer):
+    """transformers' `StaticLayer`, holding the values in the keys' dtype.
+
+    Under autocast (bf16 compute of fp32 weights, `trainer.mixed_precision=bf16`) GLM-Image's keys leave the
+    rotary embedding in float32 while the values leave their projection in bfloat16; `StaticLayer` allocates
+    both in the first keys' dtype and then refuses the values. Upcasting them is exact, and attention under
+    autocast casts both back to bf16, so it computes what it would with a growing cache of mixed dtypes.
+    Without autocast both already share a dtype and nothing changes.
+    """
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return super().update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
+
+
+class _RolloutCache(StaticCache):
+    """The decoding loop's preallocated KV cache: `StaticCache` with `_AutocastStaticLayer` layers."""
+
+    def __init__(self, config, max_cache_len: int) -> None:
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        if any(type(layer) is not StaticLayer for layer in self.layers):
+            kinds = sorted({type(layer).__name__ for layer in self.layers})
+            raise NotImplementedError(
+                f"the decoding loop's cache supports full-attention layers only, got {kinds}."
+            )
+        self.layers = [_AutocastStaticLayer(max_cache_len=max_cache_len) for _ in self.layers]
 
 
 def _compiled_step(decode_step, device: torch.device):
