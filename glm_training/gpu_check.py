@@ -11,7 +11,8 @@ metrics files. It
    meta device, materialised with `to_empty` and filled by a seeded deterministic init (no round trip through
    disk), then a forward of the AR model must give finite logits;
 2. times the pipeline's own text-to-image call, the AR rollout (`rollout.ar.sample_image_tokens`, every
-   decoding path in `DECODING_PATHS`) in tokens/s next to its memory-bandwidth roofline, and one LoRA training
+   decoding path in `DECODING_PATHS`, and on CUDA the loop's compiled step at one shape) in tokens/s next to
+   its memory-bandwidth roofline, and one LoRA training
    step of each half (`DiTTrainer`: Flow-GRPO; `ARTrainer`: GRPO/DAPO) next to `glm_training.plan`'s memory
    prediction for the same config;
 3. checks the lessons of the project's four seed bugs on the device, through the project's own code
@@ -291,7 +292,13 @@ def decode_bytes_per_step(model: nn.Module, batch: int, context: float) -> dict[
 
 
 def time_ar_rollout(
-    pipe, decoding: str, size: int, batch: int, bandwidth: float | None, device: torch.device
+    pipe,
+    decoding: str,
+    size: int,
+    batch: int,
+    bandwidth: float | None,
+    device: torch.device,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """`sample_image_tokens` at `batch` prompts: image tokens/s next to the bandwidth roofline.
 
@@ -304,7 +311,9 @@ def time_ar_rollout(
     params = SamplingParams.from_pipeline(pipe)
     prompts = [PROMPT] * batch
     with measured(device) as m:
-        samples = sample_image_tokens(pipe, prompts, size, size, params, seed=0, decoding=decoding)
+        samples = sample_image_tokens(
+            pipe, prompts, size, size, params, seed=0, decoding=decoding, compile=compile
+        )
     num_prompt = chat_inputs(pipe, prompts, size, size)["input_ids"].shape[1]
     num_steps = samples.input_ids.shape[1] - num_prompt
     tokens = int(samples.completion_mask.sum())
@@ -312,7 +321,7 @@ def time_ar_rollout(
     speed = tokens / m["seconds"]
     roofline = batch * bandwidth / read["total"] if bandwidth else None
     return {
-        "decoding": decoding,
+        "decoding": f"{decoding}+compile" if compile else decoding,
         "height": size,
         "width": size,
         "batch": batch,
@@ -459,7 +468,9 @@ def _check_loading_bounded(settings: Settings, model_cfg, folder: Path) -> tuple
 
 def _check_gather(settings: Settings, model_cfg, folder: Path) -> tuple[bool, str]:
     """ARTrainer._collect's exchange: rollout records (CPU) plus reward tensors on the device, gathered by
-    `distributed.gather_objects` through a real collective (a one-process group made here), then stacked."""
+    `distributed.gather_objects` through a real collective (a one-process group made here), then stacked.
+    The trainer gathers its records to the CPU; the check asks for the device, where a tensor left on the
+    sender's device would show."""
     from diffusers import GlmImagePipeline
 
     from glm_training import distributed as dist
@@ -925,6 +936,13 @@ def main(argv: list[str] | None = None) -> int:
                     report.data["ar_rollout"].append(
                         time_ar_rollout(pipe, decoding, size, batch, bandwidth, s.device)
                     )
+    if s.device.type == "cuda":  # the loop's step compiled (CUDA graphs): one shape, compiling costs minutes
+        size, batch = s.sizes[-1], max(s.batch_sizes)
+        with report.stage(f"AR rollout decoding=loop+compile {size}x{size} batch {batch} (compiles first)"):
+            time_ar_rollout(pipe, "loop", size, batch, bandwidth, s.device, compile=True)  # compiles
+            report.data["ar_rollout"].append(
+                time_ar_rollout(pipe, "loop", size, batch, bandwidth, s.device, compile=True)
+            )
     with (
         report.stage("seed checks (tiny GLM-Image)"),
         tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp,
