@@ -22,6 +22,7 @@ import random
 import re
 import shutil
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,12 +292,21 @@ def _dcp_in_one_process():
 
 
 def save_sharded_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, stepped: bool
-) -> None:
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: Path,
+    stepped: bool,
+    background_group: Any = None,
+) -> Future | None:
     """Collective: every rank writes its own part of the trained weights and AdamW state (DCP).
 
     Under FSDP each rank writes its shards; replicated tensors (DDP) are written once. Keyed by parameter
     name, so the folder loads under any strategy and number of ranks (`load_sharded_state`).
+
+    `background_group` (`distributed.background_group()`; `False` in one process): DCP's `async_save`, which
+    copies this rank's part to host memory, returns, and writes it from a thread, coordinating over that
+    group (not the training's, whose collectives go on meanwhile). Returns the write's future, or None when
+    the write is done.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -305,7 +315,15 @@ def save_sharded_state(
     if stepped:  # before the first step there is no state (reading it would take a step of its own)
         state["optim"] = get_optimizer_state_dict(module, optimizer, options=_state_dict_options())
     with _dcp_in_one_process():
-        dcp.save(state, checkpoint_id=str(folder), no_dist=_no_dist())
+        if background_group is None:
+            dcp.save(state, checkpoint_id=str(folder), no_dist=_no_dist())
+            return None
+        return dcp.async_save(
+            state,
+            checkpoint_id=str(folder),
+            process_group=background_group or None,
+            no_dist=_no_dist(),
+        )
 
 
 def load_sharded_state(
@@ -394,7 +412,8 @@ def save_checkpoint(
     barrier,
     parallel: Any,
     extra_files: dict[str, Any] | None = None,
-) -> Path:
+    background_group: Any = None,
+) -> PendingCheckpoint:
     """Write the checkpoint of `step`; every rank calls this (each stores its own RNG state).
 
     `parallel` (`glm_training.parallel`) writes the weights and optimizer state (`save_state`): gathered to
@@ -402,6 +421,11 @@ def save_checkpoint(
     parameter name), or, with `trainer.checkpoint_format=sharded`, each rank its own part (`shards/`, DCP).
     `extra_files` ({file name: object for `torch.save`}) is a trainer's own state (e.g.
     DiffusionNFT's old model), written inside the same atomic folder.
+
+    Returns the checkpoint as a `PendingCheckpoint`, already final (`.final`) unless `background_group` made
+    the sharded weights and optimizer state write in the background (`trainer.async_save`): then it becomes
+    a checkpoint when `.finish()` is called, by every rank. Until then it is a `.tmp` folder, which
+    `list_checkpoints` ignores: a run killed meanwhile resumes from the checkpoint before.
     """
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -413,7 +437,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     torch.save(rng_state(), tmp / RNG_FILE.format(rank=rank))
-    parallel.save_state(module, optimizer, tmp, is_main, stepped)
+    writing = parallel.save_state(module, optimizer, tmp, is_main, stepped, background_group)
     if is_main:
         torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if ema_state is not None:
@@ -421,26 +445,48 @@ def save_checkpoint(
         for name, state in (extra_files or {}).items():
             torch.save(state, tmp / name)
         (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
-    barrier()
-    if is_main:
-        write_hashes(tmp)
-        # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
-        (tmp / STATE_FILE).write_text(
-            json.dumps(
-                {
-                    "step": step,
-                    "component": component,
-                    "sharded": parallel.sharded,
-                    "format": parallel.checkpoint_format,
-                    "optimizer_stepped": stepped,
-                }
-            ),
-            encoding="utf-8",
-        )
-        tmp.rename(final)
-        logger.info("saved checkpoint %s", final)
-    barrier()
-    return final
+    state = {
+        "step": step,
+        "component": component,
+        "sharded": parallel.sharded,
+        "format": parallel.checkpoint_format,
+        "optimizer_stepped": stepped,
+    }
+    pending = PendingCheckpoint(tmp, final, state, is_main, barrier, writing)
+    if writing is None:
+        pending.finish()
+    return pending
+
+
+class PendingCheckpoint:
+    """A checkpoint folder whose files are written (or being written in the background); `finish()` waits for
+    the writing, then rank 0 hashes the files, writes the state file last and renames `.tmp` to its name."""
+
+    def __init__(self, tmp: Path, final: Path, state: dict, is_main: bool, barrier, writing: Future | None):
+        self.tmp, self.final, self.state = tmp, final, state
+        self.is_main, self.barrier, self.writing = is_main, barrier, writing
+        self.done = False
+
+    def finish(self) -> Path:
+        """Collective (every rank): make the checkpoint final; idempotent."""
+        if self.done:
+            return self.final
+        if self.writing is not None:
+            self.writing.result()  # this rank's part, and on the coordinating rank the metadata
+        self.barrier()
+        if self.is_main:
+            _finalize(self.tmp, self.final, self.state)
+        self.barrier()
+        self.done = True
+        return self.final
+
+
+def _finalize(tmp: Path, final: Path, state: dict) -> None:
+    write_hashes(tmp)
+    # Written last: a folder without it is incomplete and ignored by `list_checkpoints`.
+    (tmp / STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
+    tmp.rename(final)
+    logger.info("saved checkpoint %s", final)
 
 
 def prune_checkpoints(output_dir: Path, keep_last: int) -> None:

@@ -224,6 +224,16 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return box[0]
 
 
+def background_group(timeout_s: float) -> Any:
+    """Collective: a gloo process group of every rank for work done in a background thread (a checkpoint
+    written while training goes on): its collectives never interleave with the training's on the default
+    group, and fail after `timeout_s` when a peer is gone (the training's bound), so that a dead rank cannot
+    keep this one alive in a write. `False` in a single process (nothing to coordinate)."""
+    if not is_initialized():
+        return False
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 @contextlib.contextmanager
 def one_process_group(device: torch.device) -> Iterator[None]:
     """A process group of this process alone (NCCL on CUDA, gloo elsewhere), so that the collectives above

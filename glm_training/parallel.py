@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -95,16 +96,23 @@ class DDP:
         return self.cfg.checkpoint_format
 
     def save_state(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, is_main: bool, stepped: bool
-    ) -> None:
-        """Write the trained weights and optimizer state into the checkpoint folder being written."""
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        folder: Path,
+        is_main: bool,
+        stepped: bool,
+        background_group: Any = None,
+    ) -> Future | None:
+        """Write the trained weights and optimizer state into the checkpoint folder being written; with a
+        `background_group` (sharded format only) the write goes on in the background: its future."""
         if self.checkpoint_format == "sharded":
-            save_sharded_state(module, optimizer, folder / SHARDS_DIR, stepped)
-            return
+            return save_sharded_state(module, optimizer, folder / SHARDS_DIR, stepped, background_group)
         weights, optimizer_state = self.gather_state(module, optimizer, is_main, stepped)
         if is_main:
             save_file(weights, str(folder / WEIGHTS_FILE))
             torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+        return None
 
     def gather_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, stepped: bool

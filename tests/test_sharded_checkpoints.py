@@ -1,8 +1,9 @@
 """Sharded checkpoints (`trainer.checkpoint_format=sharded`, torch.distributed.checkpoint), issue 23.
 
 One 2-rank FSDP launch trains a DiT full fine-tune with a KL term for 2 steps (a checkpoint after each, each
-rank writing its own shards), then, in the same process group, resumes from step 1. Then, in this one
-process: the resume on 1 rank, export, and damaged shards.
+rank writing its own shards), then, in the same process group, resumes from step 1, and trains again with the
+first checkpoint written in the background (`trainer.async_save`). Then, in this one process: the resume on 1
+rank, export, and damaged shards.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from glm_training.checkpoint import (
     read_checkpoint_state,
     read_trained_weights,
     resolve_resume,
+    verify_checkpoint,
 )
-from glm_training.config import load_config
+from glm_training.config import ConfigError, load_config
 from glm_training.export import main as export_main
 from glm_training.trainers.dit_trainer import DiTTrainer
 
@@ -51,6 +53,7 @@ def sharded_run(tmp_path_factory):
             f"trainer.output_dir={out / 'resumed'}",
             f"trainer.resume={out / 'full' / 'checkpoints' / 'step-000001'}",
         ],
+        "async": [*fsdp, "trainer.async_save=true", f"trainer.output_dir={out / 'async'}"],
     }
     script = str(REPO / "tests" / "scripts" / "fsdp_check.py")
     result = torchrun(script, [str(out), "dit", json.dumps(runs)], timeout=420)
@@ -74,6 +77,30 @@ def test_each_rank_writes_its_shards_and_a_resume_on_two_ranks_is_bit_exact(shar
     assert full.keys() == resumed.keys() and full
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
+
+
+def test_a_checkpoint_written_in_the_background_is_the_same_checkpoint(sharded_run):
+    # Step 1's checkpoint was written by DCP's async_save while step 2 trained, and made final (hashed, state
+    # file last, renamed) when step 2's checkpoint started; step 2's, the run's last, was written at once.
+    for step in (1, 2):
+        written, background = (_step(sharded_run / name, step) for name in ("full", "async"))
+        assert verify_checkpoint(background) is None, step  # every file hashed and intact
+        assert read_checkpoint_state(background) == read_checkpoint_state(written)
+        assert (
+            json.loads((background / "hashes.json").read_text()).keys()
+            == json.loads((written / "hashes.json").read_text()).keys()
+        )
+        expected, got = read_trained_weights(written), read_trained_weights(background)
+        assert expected.keys() == got.keys() and expected
+        for name in expected:
+            assert torch.equal(expected[name], got[name]), (step, name)
+    assert not list((sharded_run / "async" / "checkpoints").glob("*.tmp"))
+
+
+def test_async_save_needs_the_sharded_format():
+    with pytest.raises(ConfigError) as err:
+        load_config(["trainer.async_save=true"], "t2i_training")
+    assert err.value.key == "trainer.async_save" and "checkpoint_format=sharded" in str(err.value)
 
 
 def test_one_rank_resumes_a_two_rank_sharded_checkpoint(sharded_run, tmp_path):

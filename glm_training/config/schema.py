@@ -473,6 +473,14 @@ class TrainerConfig:
         "the whole state; resumes under any strategy and number of ranks; export and model.*_weights "
         "consolidate it in one process",
     )
+    async_save: bool = option(
+        False,
+        "checkpoint_format=sharded only: each rank copies its part of a checkpoint to host memory and writes "
+        "it in the background while training goes on (torch.distributed.checkpoint.async_save). The "
+        "checkpoint is hashed and becomes final when its writing ends, at the latest when the next one "
+        "starts; the last checkpoint of a run is written at once. A run stopped meanwhile resumes from the "
+        "checkpoint before",
+    )
     resume: str | None = option(None, 'a checkpoint folder, or "latest" (newest in output_dir)')
     mixed_precision: str = option(
         "no",
@@ -540,6 +548,12 @@ class TrainerConfig:
         _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0 = only at the end).")
         _check(self.keep_last >= 0, "trainer.keep_last", "must be >= 0 (0 = keep all).")
         _check_choice(self.checkpoint_format, CHECKPOINT_FORMATS, "trainer.checkpoint_format")
+        _check(
+            not self.async_save or self.checkpoint_format == "sharded",
+            "trainer.async_save",
+            "writes sharded checkpoints in the background; set trainer.checkpoint_format=sharded (the "
+            "gathered format is written by rank 0 alone, at once).",
+        )
         _check_choice(self.mixed_precision, ("no", "bf16", "fp16"), "trainer.mixed_precision")
         _check(
             self.strategy != "deepspeed",

@@ -235,6 +235,8 @@ class RewardTrainer(ABC):
         # strategy wrapped (the training forward passes call it): DDP's wrapper, or the sharded module itself.
         self.model, self.optimizer = self.parallel.wrap(self.trainable, self.optimizer)
         self.start_step = self._maybe_resume()
+        self._pending_checkpoint = None  # a checkpoint being written in the background (trainer.async_save)
+        self._background_group = None
         self.wrapper.pipeline.set_progress_bar_config(disable=True)
         self.tracker = build_tracker(
             is_main=self.is_main,
@@ -278,6 +280,7 @@ class RewardTrainer(ABC):
             for step in range(self.start_step, cfg.num_steps):
                 if self._train_step(step, bar, skips, signals):
                     break
+            self._finish_pending_checkpoint()
             failed = False
         except Exception as err:
             if not dist.is_collective_failure(err):
@@ -344,7 +347,8 @@ class RewardTrainer(ABC):
                     "step %d: no checkpoint during %d skipped step(s) in a row", step + 1, skips.in_a_row
                 )
             else:
-                self._save(step + 1)
+                # The run's last checkpoint is written at once; others may write in the background.
+                self._save(step + 1, at_once=step + 1 == cfg.num_steps or stop)
         if stop:
             logger.warning(
                 "stopped at step %d on a stop signal (%s); continue with trainer.resume=latest",
@@ -679,8 +683,19 @@ class RewardTrainer(ABC):
         logger.info("outputs go to %s", path)
         return path
 
-    def _save(self, step: int) -> None:
-        save_checkpoint(
+    def _save(self, step: int, at_once: bool = True) -> None:
+        """Write the checkpoint of `step` (every rank). With `trainer.async_save`, unless `at_once`, its
+        sharded weights and optimizer state are written in the background and it becomes final at the next
+        `_save` (or the run's end); the one before is made final first, so at most one is in flight."""
+        self._finish_pending_checkpoint()
+        background = None
+        if self.cfg.trainer.async_save and not at_once:
+            if self._background_group is None:
+                # Collective: every rank, at the same step.
+                self._background_group = dist.background_group(self.cfg.trainer.dist_timeout_s)
+            background = self._background_group
+            logger.info("checkpoint of step %d: writing in the background", step)
+        self._pending_checkpoint = save_checkpoint(
             self.output_dir,
             step,
             module=self.trainable,
@@ -694,7 +709,19 @@ class RewardTrainer(ABC):
             barrier=dist.barrier,
             parallel=self.parallel,
             extra_files=self.checkpoint_extras(),
+            background_group=background,
         )
+        if self._pending_checkpoint.done:
+            self._after_checkpoint()
+
+    def _finish_pending_checkpoint(self) -> None:
+        """Collective: wait for the checkpoint being written in the background, if any, and make it final."""
+        pending = self._pending_checkpoint
+        if pending is not None and not pending.done:
+            pending.finish()
+            self._after_checkpoint()
+
+    def _after_checkpoint(self) -> None:
         if self.is_main:
             prune_checkpoints(self.output_dir, self.cfg.trainer.keep_last)
         dist.barrier()
