@@ -2,7 +2,8 @@
 
 The trainer never asks which strategy it runs; it calls these methods at fixed points:
 
-    parallel.shard(trainable, reference)        after LoRA / checkpointing, before the optimizer is built
+    parallel.loads_into_shards                  build the trained component empty, to be read when sharded
+    parallel.shard(trainable, reference, weights)  after LoRA / checkpointing, before the optimizer is built
     model, optimizer = parallel.wrap(trainable, optimizer)
     with parallel.no_sync(model, last): ...     each backward of an optimizer step
     parallel.clip_grad_norm_(params, max_norm)  before each optimizer step
@@ -62,14 +63,17 @@ class DDP:
     name = "ddp"
     sharded = False
     equal_calls = False  # each rank's forwards are its own
+    loads_into_shards = False  # every rank loads the whole component
 
     def __init__(self, accelerator: Any, component: str, trainer_cfg: Any):
         self.accelerator = accelerator
         self.component = component
         self.cfg = trainer_cfg
 
-    def shard(self, module: nn.Module, reference: nn.Module | None) -> None:
-        """Nothing to shard: every rank keeps its full copy."""
+    def shard(self, module: nn.Module, reference: nn.Module | None, weights: Path | None = None) -> None:
+        """Nothing to shard: every rank keeps its full copy (loaded whole: `weights` is never given)."""
+        if weights is not None:
+            raise ValueError("ddp loads the trained component whole; it has no shards to read weights into")
 
     def wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer):
         # Placement is already done (`_build_model`); accelerate only wraps (DDP).
@@ -152,6 +156,7 @@ class FSDP(DDP):
         super().__init__(accelerator, component, trainer_cfg)
         self.device = accelerator.device
         self.world_size = accelerator.num_processes
+        self.loads_into_shards = trainer_cfg.fsdp_load_into_shards
         shard_size = trainer_cfg.fsdp_shard_size
         if shard_size and (shard_size > self.world_size or self.world_size % shard_size):
             raise ConfigError(
@@ -160,9 +165,13 @@ class FSDP(DDP):
                 "node), or 0 to shard over all ranks.",
             )
 
-    def shard(self, module: nn.Module, reference: nn.Module | None) -> None:
+    def shard(self, module: nn.Module, reference: nn.Module | None, weights: Path | None = None) -> None:
         """Shard in place (one unit per DiT block / GLM decoder layer, then the root); the frozen reference
-        copy of a full fine-tune the same way with the same precision policy, so the first KL is exactly 0."""
+        copy of a full fine-tune the same way with the same precision policy, so the first KL is exactly 0.
+
+        `weights`: the component's folder, when it was built on the meta device (`loads_into_shards`): each
+        rank then reads its shards of both from the files (`sharded_loading.materialise_`; the reference's
+        go to host memory with `fsdp_reference_offload`)."""
         t = self.cfg
         sharding.shard(
             module,
@@ -182,6 +191,13 @@ class FSDP(DDP):
                 cpu_offload=t.fsdp_reference_offload,
                 shard_size=t.fsdp_shard_size,
             )
+        if weights is None:
+            return
+        from glm_training.models.sharded_loading import materialise_
+
+        materialise_(module, weights, self.device)
+        if reference is not None:
+            materialise_(reference, weights, torch.device("cpu") if t.fsdp_reference_offload else self.device)
 
     def wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer):
         return module, optimizer  # sharded in place: the module is its own wrapper

@@ -459,7 +459,187 @@ def log_memory_plan(cfg: Any, accelerator: Any) -> MemoryPlan | None:
         return None
     for line in plan.table().splitlines():
         logger.info("[plan] %s", line)
+    with contextlib.suppress(Exception):  # advice only, as above
+        loading = loading_host_plan(cfg, world_size=accelerator.num_processes, device=accelerator.device.type)
+        for line in loading.table().splitlines():
+            logger.info("[plan] %s", line)
     check_fits(plan)
+    return plan
+
+
+# -------------------------------------------------------------------------------------------------------
+# Host memory while loading
+
+# What loading holds besides the weights (configs, tokenizers, the processor, from_pretrained's bookkeeping):
+# measured on the real-width fixture (`benchmarks/bench_checkpoint_memory.py`: 0.083-0.085 GiB), rounded up.
+LOADING_OVERHEAD_BYTES = 0.1 * GIB
+
+
+@dataclass
+class LoadingPlan:
+    """Per-rank host memory while a run loads and shards its model (bytes above what it held before).
+
+    `terms` add up to `peak`, the moment the most is resident; `way` says how the trained half loads.
+    """
+
+    way: str
+    device: str
+    terms: list[Term] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return sum(t.bytes for t in self.terms)
+
+    def table(self) -> str:
+        lines = [f"host memory per rank while loading ({self.way}; trained on {self.device}):"]
+        lines += [f"  {t.name:<34} {_gib(t.bytes):>9}  {t.detail}" for t in self.terms]
+        lines.append(f"  {'predicted peak':<34} {_gib(self.peak):>9}")
+        return "\n".join(lines)
+
+
+def _weights_folder(model_cfg: Any) -> Path | None:
+    """The local pipeline folder of a model (without building a fixture that is not built yet), or None."""
+    from glm_training.models import shape, tiny
+
+    if model_cfg.name == "tiny":
+        folder = tiny.ensure_tiny_pipeline(seed=model_cfg.tiny_seed)
+    elif model_cfg.name == shape.SHAPE_MODEL_NAME:
+        folder = tiny.default_cache_dir() / shape.shape_folder_name(
+            *model_cfg.shape_layers(), model_cfg.tiny_seed
+        )
+    else:
+        folder = Path(model_cfg.name).expanduser()
+    return folder if (folder / "model_index.json").is_file() else None
+
+
+def _file_weights(folder: Path | None, name: str) -> tuple[float, set[torch.dtype]] | None:
+    """(bytes, dtypes) of a component's safetensors files, from their headers only; None when unknown."""
+    if folder is None or not list((folder / name).glob("*.safetensors")):
+        return None
+    from safetensors import safe_open
+
+    total, dtypes = 0.0, set()
+    for file in (folder / name).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                numel = 1
+                for size in piece.get_shape():
+                    numel *= size
+                dtype = getattr(
+                    torch,
+                    {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(
+                        piece.get_dtype(), "float32"
+                    ),
+                )
+                dtypes.add(dtype)
+                total += numel * torch.finfo(dtype).bits // 8
+    return total, dtypes
+
+
+def loading_host_plan(
+    cfg: Any,
+    *,
+    world_size: int = 1,
+    strategy: str | None = None,
+    device: str = "cuda",
+    modules: dict[str, nn.Module] | None = None,
+) -> LoadingPlan:
+    """Each rank's host memory while loading, at its peak (`LoadingPlan.peak`).
+
+    What the libraries do, as measured on the real-width fixture: `from_pretrained` maps a safetensors file
+    whose dtype is the model's and reads nothing (its pages become resident as they are touched); a file in
+    another dtype is converted into new tensors. Touching a mapped weight (copying it, upcasting it,
+    sharding it, moving it to a GPU) makes its file pages resident until the last tensor of the file is gone.
+
+    * Loaded whole (DDP, or `trainer.fsdp_load_into_shards=false`): a KL reference copy or float32 masters
+      touch the whole trained file and are made whole before sharding; with neither, sharding copies this
+      rank's rows out of the mapped file (and DDP touches nothing while loading). On a GPU the component is
+      moved there first: the host holds only the pages of the component being moved.
+    * Read into shards: this rank's shards (masters, reference) and the pages of its rows of the file; on a
+      GPU only those pages.
+    * Frozen components converted to another dtype are held (on the CPU) or pass through (on a GPU).
+    """
+    from glm_training.models.placement import parse_dtype
+
+    m = cfg.model
+    strategy = strategy or cfg.trainer.strategy
+    shard = (cfg.trainer.fsdp_shard_size or world_size) if strategy == "fsdp" and world_size > 1 else 1
+    into_shards = shard > 1 and cfg.trainer.fsdp_load_into_shards
+    modules = modules if modules is not None else meta_components(m)
+    dtype = parse_dtype(m.dtype)
+    wbytes = DTYPE_BYTES[m.dtype]
+    half = model_half(cfg.component)
+    folder = _weights_folder(m)
+    on_cpu = device == "cpu"
+    if into_shards:
+        way = f"read into 1/{shard} shards"
+    else:
+        way = "whole on every rank" + (", then sharded" if shard > 1 else "")
+    plan = LoadingPlan(way, device)
+    plan.terms.append(Term("libraries, configs, tokenizers", LOADING_OVERHEAD_BYTES, "measured, rounded up"))
+
+    not_loaded = {"vision_language_encoder"} if cfg.component == "dit" and cfg.data.prior_cache else set()
+    converted, passing = 0.0, 0.0
+    for name, module in modules.items():
+        if name == half.attribute or name in not_loaded:
+            continue
+        found = _file_weights(folder, name)
+        file_bytes, dtypes = found if found else (_numel(module) * wbytes, {dtype})
+        if dtypes != {dtype}:
+            converted += _numel(module) * wbytes if on_cpu else 0
+            passing = max(passing, file_bytes)
+        elif not on_cpu:
+            passing = max(passing, file_bytes)  # moved to the GPU: its pages pass through
+    if converted:
+        plan.terms.append(Term("frozen components (converted)", converted, f"into {m.dtype}, on the CPU"))
+
+    trained = modules[half.attribute]
+    n = _numel(trained)
+    n_train = sum(_numel(p) for p in half.trained_parts(trained))
+    found = _file_weights(folder, half.attribute)
+    file_bytes = found[0] if found else n * wbytes
+    masters = m.keeps_master_weights()
+    reference = not m.lora.enabled and cfg.algo.beta > 0
+    trained_terms: list[Term] = []
+    if into_shards:
+        trained_terms.append(
+            Term("its file pages this rank reads", file_bytes / shard, f"1/{shard} of the file")
+        )
+        if on_cpu:
+            pbytes = 4 if masters else wbytes
+            shards = (n_train * pbytes + (n - n_train) * wbytes) / shard
+            trained_terms.append(
+                Term(
+                    f"{half.attribute} shards",
+                    shards,
+                    f"1/{shard}, {'float32 masters' if masters else m.dtype}",
+                )
+            )
+            if reference:
+                trained_terms.append(Term("KL reference shards", n_train * wbytes / shard, f"1/{shard}"))
+    elif on_cpu and (reference or masters or (found and found[1] != {dtype})):
+        trained_terms.append(Term(f"{half.attribute} file pages", file_bytes, "the whole file, touched"))
+        if found and found[1] != {dtype}:
+            trained_terms.append(Term(f"{half.attribute} (converted)", n * wbytes, f"into {m.dtype}"))
+        if reference:
+            trained_terms.append(Term("KL reference copy", n_train * wbytes, "whole, before sharding"))
+        if masters:
+            trained_terms.append(Term("float32 masters", n_train * 4, "whole, before sharding"))
+    elif on_cpu and shard > 1:
+        trained_terms.append(
+            Term(
+                "its file pages this rank reads", file_bytes / shard, f"sharding copies 1/{shard} of the file"
+            )
+        )
+        trained_terms.append(Term(f"{half.attribute} shards", n * wbytes / shard, f"1/{shard}, {m.dtype}"))
+    else:
+        trained_terms.append(Term(f"{half.attribute} file pages", file_bytes, "passing through to the GPU"))
+    trained_bytes = sum(t.bytes for t in trained_terms)
+    if passing > trained_bytes:  # the frozen components' moment is the peak
+        plan.terms.append(Term("frozen component passing through", passing, "the largest one's file pages"))
+    else:
+        plan.terms += trained_terms
     return plan
 
 
@@ -471,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default=None, help="default: trainer.strategy")
     parser.add_argument("--gpu-memory-gb", type=float, default=None, help="per-GPU memory to check against")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="where the ranks train (the loading table)"
+    )
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(["--config", args.config, *overrides], args.config)
     device_bytes = (
@@ -478,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan = build_plan(cfg, world_size=args.world_size, strategy=args.strategy, device_bytes=device_bytes)
     print(plan.table())
+    loading = loading_host_plan(cfg, world_size=args.world_size, strategy=args.strategy, device=args.device)
+    print(loading.table())
     if not plan.fits():
         print(f"does NOT fit: {plan.summary()}", file=sys.stderr)
         return 1

@@ -70,12 +70,15 @@ def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
             f"trainer.output_dir={out / mode / 'resumed'}",
             f"trainer.resume={_checkpoint(out / mode / 'fsdp', 1)}",
         ]
+    # The runs below also load the previous way: every rank loads the whole pipeline, then shards (by default
+    # the trained component is built empty and each rank reads its shards from the files).
     if kind == "ar":
         # generate() through per-unit gathers: every generated token is a collective of every unit.
         runs["lora/fsdp-per-unit"] = [
             *runs["lora/fsdp"][:-1],
             f"trainer.output_dir={out / 'lora' / 'fsdp-per-unit'}",
             "trainer.fsdp_gather_for_rollout=false",
+            "trainer.fsdp_load_into_shards=false",
         ]
     if kind == "dit":
         # The frozen reference's shards in host memory (on a CPU machine the same numbers as on the device),
@@ -86,6 +89,7 @@ def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
             f"trainer.output_dir={out / 'full' / 'fsdp-offload'}",
             "trainer.fsdp_reference_offload=true",
             "trainer.fsdp_gather_for_rollout=false",
+            "trainer.fsdp_load_into_shards=false",
         ]
         runs["lora/fsdp-bf16"] = [
             *runs["lora/fsdp"][:-1],
@@ -183,6 +187,27 @@ def test_fsdp_weights_after_two_steps_equal_ddp_within_fp32_tolerance(runs, mode
     ddp_eval, fsdp_eval = (_metrics(out / mode / s) for s in ("ddp", "fsdp"))
     assert ddp_eval[0]["reward_mean"] == fsdp_eval[0]["reward_mean"]  # same first rollout
     assert "eval/reward_mean" in fsdp_eval[-1]
+
+
+# Runs that load the whole pipeline on every rank, then shard, beside the default's (read into shards).
+WHOLE_LOAD = {"dit": ("full/fsdp", "full/fsdp-offload"), "ar": ("lora/fsdp", "lora/fsdp-per-unit")}
+
+
+@pytest.mark.parametrize("kind", list(WHOLE_LOAD))
+def test_loading_into_shards_gives_the_run_of_a_whole_load_bit_for_bit(request, kind):
+    """The trained component built empty, sharded, and each rank's shards read from the safetensors files
+    (the DiT's full fine-tune with its KL reference read the same way; the AR model's LoRA adapters drawn as
+    in a whole load) trains exactly as the whole pipeline loaded by every rank, then sharded (which also
+    samples per unit, and for the DiT offloads the reference: neither may change a number)."""
+    out, reports, log = request.getfixturevalue(f"{kind}_runs")
+    into_shards, whole = WHOLE_LOAD[kind]
+    assert [r["read_into_shards"] for r in reports[into_shards]] == [True, True]
+    assert [r["read_into_shards"] for r in reports[whole]] == [False, False]
+    assert "tensors read into this rank's shards" in log
+    assert _timeless_metrics(out / into_shards) == _timeless_metrics(out / whole)
+    for step in (1, 2):
+        a, b = _weights(out / into_shards, step), _weights(out / whole, step)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -518,6 +518,13 @@ class TrainerConfig:
             "CPUOffloadPolicy), instead of on the device."
         ),
     )
+    fsdp_load_into_shards: bool = option(
+        True,
+        "fsdp: build the trained component on the meta device, shard it, and read each rank's part of its "
+        "weights straight from the safetensors files (torch.distributed.checkpoint's "
+        "HuggingFaceStorageReader): no rank holds the whole trained component or the whole KL reference "
+        "(glm_training/models/sharded_loading.py). false = every rank loads the whole pipeline, then shards",
+    )
     dist_timeout_s: float = option(
         600.0,
         (

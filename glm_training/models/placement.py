@@ -157,9 +157,14 @@ def run_stage(name: str, fn: Callable[[], T], timeout_s: float) -> T:
     `timeout_s` the error names the stage and shows where the stuck thread was.
     """
     result: dict[str, Any] = {}
+    # The CUDA device is per thread: the stage's thread uses the caller's (a collective in the stage, such as
+    # reading shards, must run on this rank's GPU, not on cuda:0).
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def target() -> None:
         try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
             result["value"] = fn()
         except BaseException as err:  # re-raised in the caller's thread
             result["error"] = err

@@ -65,6 +65,8 @@ class GLMImageWrapper:
         torch_dtype: dtype of every component's weights.
         device_map: what `from_pretrained` receives: "cpu", "balanced" or "cuda" (see `placement.py`;
             "auto" is translated to "balanced" there, as diffusers pipelines do not accept "auto").
+        trained_on_meta: do not read the trained component: build it from its config on the meta device, to
+            be sharded and then read shard by shard (`sharded_loading.py`; `trained_folder` is its folder).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class GLMImageWrapper:
         stage_timeout_s: float = 1800.0,
         tiny_seed: int = 0,
         skip_components: tuple[str, ...] = (),
+        trained_on_meta: bool = False,
     ):
         trained = model_half(component).attribute  # ValueError naming the halves for another name
         if device_map == "auto":
@@ -90,6 +93,7 @@ class GLMImageWrapper:
         self.component = component
         self.model_name = model_name
         self.skipped = tuple(skip_components)
+        self.trained_folder: Path | None = None  # set when the trained component is built empty
         path = run_stage(
             f"resolve model '{model_name}'",
             lambda: resolve_model_path(model_name, tiny_seed),
@@ -98,12 +102,20 @@ class GLMImageWrapper:
         plan = PlacementPlan(False, "wrapper", device_map, None, max_memory)
         kwargs = pipeline_load_kwargs(plan, torch_dtype)
         # diffusers loads nothing for a component passed as None; the pipeline attribute is then None.
-        kwargs.update(dict.fromkeys(self.skipped))
+        kwargs.update(dict.fromkeys(self.skipped + ((trained,) if trained_on_meta else ())))
         self.pipeline = run_stage(
             f"from_pretrained {path} (device_map={device_map})",
             lambda: GlmImagePipeline.from_pretrained(path, **kwargs),
             stage_timeout_s,
         )
+        if trained_on_meta:
+            from glm_training.models import sharded_loading
+
+            folder = sharded_loading.local_pipeline_folder(path)
+            module = sharded_loading.empty_component(folder, trained, torch_dtype)
+            sharded_loading.check_loadable(module, folder / trained)  # before anything is sharded
+            self.pipeline.register_modules(**{trained: module})
+            self.trained_folder = folder / trained
         # Set directly: reloading a GenerationConfig from the checkpoint after loading was seen to hang.
         ar = self.pipeline.vision_language_encoder
         if ar is not None and ar.generation_config.pad_token_id is None:
@@ -116,6 +128,7 @@ class GLMImageWrapper:
         nothing is loaded or moved; the components are frozen but `component`'s half, as after loading."""
         wrapper = cls.__new__(cls)
         wrapper.component, wrapper.model_name, wrapper.skipped = component, "in memory", ()
+        wrapper.trained_folder = None
         wrapper.pipeline = pipeline
         wrapper._freeze_all_but_the_trained_half()
         return wrapper
@@ -145,11 +158,16 @@ class GLMImageWrapper:
     def frozen(self) -> dict[str, nn.Module]:
         return {n: m for n, m in self.components().items() if n != self.trainable_name}
 
+    def loaded(self) -> dict[str, nn.Module]:
+        """The components read by `from_pretrained`: all but a trained one built empty (`trained_on_meta`)."""
+        return self.frozen() if self.trained_folder is not None else self.components()
+
     def to(self, device: torch.device | str) -> GLMImageWrapper:
-        """Move every component; only for models loaded whole on one device (`placement.move_to_device`)."""
+        """Move every loaded component; only for models loaded whole on one device (`move_to_device`). A
+        trained component built empty is never moved: it gets its storage when it is read into shards."""
         from glm_training.models.placement import move_to_device
 
-        move_to_device(self.components(), torch.device(device))
+        move_to_device(self.loaded(), torch.device(device))
         return self
 
 
@@ -163,13 +181,15 @@ def load_for_training(
     model_path: str | None = None,
     skip_components: tuple[str, ...] = (),
     skip_reason: str = "",
+    trained_on_meta: bool = False,
 ) -> tuple[GLMImageWrapper, PlacementPlan]:
     """Load GLM-Image and place it for training: the one code path for the tiny model and the real one.
 
     Plan (`plan_placement`) -> load with the plan's map -> refuse meta tensors by name -> move only when the
     plan says so -> log where every component landed. `model_path`: `model_cfg.name` already resolved
     (the trainers resolve it on rank 0 first, so the tiny model is built or a checkpoint fetched once).
-    `skip_components`: frozen components not to load at all (logged with `skip_reason`).
+    `skip_components`: frozen components not to load at all (logged with `skip_reason`). `trained_on_meta`:
+    build the trained component empty, to be read into its shards after sharding (`sharded_loading.py`).
     """
     from glm_training.models.placement import check_no_meta, describe_module, parse_dtype, plan_placement
 
@@ -190,14 +210,21 @@ def load_for_training(
         stage_timeout_s=model_cfg.stage_timeout_s,
         tiny_seed=model_cfg.tiny_seed,
         skip_components=skip_components,
+        trained_on_meta=trained_on_meta,
     )
-    check_no_meta(wrapper.components())
+    check_no_meta(wrapper.loaded())
     if plan.move_to is not None:
         run_stage(
             f"move components to {plan.move_to}", lambda: wrapper.to(plan.move_to), model_cfg.stage_timeout_s
         )
-    for name, module in wrapper.components().items():
+    for name, module in wrapper.loaded().items():
         logger.info("[load] %s", describe_module(name, module))
+    if wrapper.trained_folder is not None:
+        logger.info(
+            "[load] %s: built on the meta device; each rank reads its shards from %s once it is sharded",
+            wrapper.trainable_name,
+            wrapper.trained_folder,
+        )
     for name in wrapper.skipped:
         logger.info("[load] %s: not loaded (%s)", name, skip_reason or "not needed")
     return wrapper, plan

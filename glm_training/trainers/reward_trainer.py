@@ -65,6 +65,7 @@ from glm_training.models.halves import ModelHalf, model_half
 from glm_training.models.lora import adapters_disabled, add_lora_adapters
 from glm_training.models.master_weights import computing_like_masters, master_names, upcast_trained_
 from glm_training.models.placement import describe_module, run_stage
+from glm_training.models.sharded_loading import standin_weights
 from glm_training.models.wrapper import (
     GLMImageWrapper,
     enable_gradient_checkpointing,
@@ -223,8 +224,13 @@ class RewardTrainer(ABC):
         self.wrapper = self._build_model()
         self.trainable = self._setup_trainable(self.wrapper.trainable)
         # In place, after LoRA and gradient checkpointing are set up and before the optimizer is built over
-        # the shards (FSDP); nothing under DDP.
-        self.parallel.shard(self.trainable, self.reference)
+        # the shards (FSDP); nothing under DDP. A component built empty is read into its shards here.
+        weights = self.wrapper.trained_folder
+        run_stage(
+            "shard the trained component" + (f" and read its shards from {weights}" if weights else ""),
+            lambda: self.parallel.shard(self.trainable, self.reference, weights),
+            self.cfg.model.stage_timeout_s,
+        )
         logger.info(
             "[load] %s", describe_module(f"{self.wrapper.trainable_name} (trainable)", self.trainable)
         )
@@ -529,10 +535,14 @@ class RewardTrainer(ABC):
             model_path=path,
             skip_components=skip,
             skip_reason=skip_reason,
+            trained_on_meta=self.parallel.loads_into_shards,
         )
         for source in sources:
             apply_weights_source(wrapper.pipeline, source)
-        self.device = next(wrapper.trainable.parameters()).device
+        if wrapper.trained_folder is not None:  # on the meta device until it is sharded
+            self.device = self.parallel.device
+        else:
+            self.device = next(wrapper.trainable.parameters()).device
         return wrapper
 
     def _components_not_loaded(self) -> tuple[tuple[str, ...], str]:
@@ -553,7 +563,9 @@ class RewardTrainer(ABC):
         lora = self.cfg.model.lora
         self.reference: nn.Module | None = None
         if lora.enabled:
-            add_lora_adapters(module, lora)
+            # On an empty component (loaded into shards later) peft's adapters need real base weights.
+            with standin_weights(module):
+                add_lora_adapters(module, lora)
         else:
             for sub in self.half.trained_parts(module):
                 sub.requires_grad_(True)

@@ -69,6 +69,7 @@ def main() -> None:
             "dtypes": sorted(seen),
             "input_dtypes": {key: sorted(values) for key, values in inputs.items()},
             "synced_generation": is_fsdp_managed_module(trainer.trainable),
+            "read_into_shards": trainer.wrapper.trained_folder is not None,
         }
     rank = dist.rank_info().rank
     (out / f"rank{rank}.json").write_text(json.dumps(report))
