@@ -197,7 +197,10 @@ class FSDP(DDP):
 
         materialise_(module, weights, self.device)
         if reference is not None:
-            materialise_(reference, weights, torch.device("cpu") if t.fsdp_reference_offload else self.device)
+            if t.fsdp_reference_offload:
+                materialise_(reference, weights, torch.device("cpu"), buffers_device=self.device)
+            else:
+                materialise_(reference, weights, self.device)
 
     def wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer):
         return module, optimizer  # sharded in place: the module is its own wrapper

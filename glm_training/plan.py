@@ -325,7 +325,12 @@ def build_plan(
             plan.static.append(Term("KL reference copy", 0, "shards in host memory (fsdp_reference_offload)"))
         else:
             plan.static.append(
-                Term("KL reference copy", n_train * wbytes / shard, "frozen copy of the trained weights")
+                # A copy of the whole component (the AR model's vision towers too).
+                Term(
+                    "KL reference copy",
+                    _numel(trained) * wbytes / shard,
+                    "frozen copy of the trained component",
+                )
             )
     rollout_gather = 0.0
     if shard > 1:
@@ -512,29 +517,30 @@ def _weights_folder(model_cfg: Any) -> Path | None:
     return folder if (folder / "model_index.json").is_file() else None
 
 
-def _file_weights(folder: Path | None, name: str) -> tuple[float, set[torch.dtype]] | None:
-    """(bytes, dtypes) of a component's safetensors files, from their headers only; None when unknown."""
+def _file_weights(folder: Path | None, name: str, dtype: torch.dtype) -> tuple[float, int] | None:
+    """(bytes, elements `from_pretrained` converts to `dtype`) of a component's safetensors files, from their
+    headers only (a name in several files counted once); None when the folder is unknown."""
     if folder is None or not list((folder / name).glob("*.safetensors")):
         return None
     from safetensors import safe_open
+    from safetensors.torch import _getdtype
 
-    total, dtypes = 0.0, set()
-    for file in (folder / name).glob("*.safetensors"):
+    total, converted, seen = 0.0, 0, set()
+    for file in sorted((folder / name).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
+                if key in seen:
+                    continue
+                seen.add(key)
                 piece = f.get_slice(key)
                 numel = 1
                 for size in piece.get_shape():
                     numel *= size
-                dtype = getattr(
-                    torch,
-                    {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(
-                        piece.get_dtype(), "float32"
-                    ),
-                )
-                dtypes.add(dtype)
-                total += numel * torch.finfo(dtype).bits // 8
-    return total, dtypes
+                file_dtype = _getdtype(piece.get_dtype())
+                total += numel * torch.empty(0, dtype=file_dtype).element_size()
+                if file_dtype.is_floating_point and file_dtype != dtype:
+                    converted += numel
+    return total, converted
 
 
 def loading_host_plan(
@@ -584,23 +590,21 @@ def loading_host_plan(
     for name, module in modules.items():
         if name == half.attribute or name in not_loaded:
             continue
-        found = _file_weights(folder, name)
-        file_bytes, dtypes = found if found else (_numel(module) * wbytes, {dtype})
-        if dtypes != {dtype}:
-            converted += _numel(module) * wbytes if on_cpu else 0
+        file_bytes, to_convert = _file_weights(folder, name, dtype) or (_numel(module) * wbytes, 0)
+        if to_convert and on_cpu:
+            converted += to_convert * wbytes
+        if to_convert or not on_cpu:  # converted, or moved to the GPU: its pages pass through
             passing = max(passing, file_bytes)
-        elif not on_cpu:
-            passing = max(passing, file_bytes)  # moved to the GPU: its pages pass through
     if converted:
         plan.terms.append(Term("frozen components (converted)", converted, f"into {m.dtype}, on the CPU"))
 
     trained = modules[half.attribute]
-    n = _numel(trained)
+    n = _numel(trained)  # the KL reference is a copy of the whole component
     n_train = sum(_numel(p) for p in half.trained_parts(trained))
-    found = _file_weights(folder, half.attribute)
-    file_bytes = found[0] if found else n * wbytes
+    file_bytes, to_convert = _file_weights(folder, half.attribute, dtype) or (n * wbytes, 0)
     masters = m.keeps_master_weights()
     reference = not m.lora.enabled and cfg.algo.beta > 0
+    offloaded = reference and shard > 1 and cfg.trainer.fsdp_reference_offload
     trained_terms: list[Term] = []
     if into_shards:
         trained_terms.append(
@@ -609,32 +613,30 @@ def loading_host_plan(
         if on_cpu:
             pbytes = 4 if masters else wbytes
             shards = (n_train * pbytes + (n - n_train) * wbytes) / shard
-            trained_terms.append(
-                Term(
-                    f"{half.attribute} shards",
-                    shards,
-                    f"1/{shard}, {'float32 masters' if masters else m.dtype}",
-                )
-            )
-            if reference:
-                trained_terms.append(Term("KL reference shards", n_train * wbytes / shard, f"1/{shard}"))
-    elif on_cpu and (reference or masters or (found and found[1] != {dtype})):
+            detail = f"1/{shard}, {'float32 masters' if masters else m.dtype}"
+            trained_terms.append(Term(f"{half.attribute} shards", shards, detail))
+    elif on_cpu and (reference or masters or to_convert):
         trained_terms.append(Term(f"{half.attribute} file pages", file_bytes, "the whole file, touched"))
-        if found and found[1] != {dtype}:
-            trained_terms.append(Term(f"{half.attribute} (converted)", n * wbytes, f"into {m.dtype}"))
+        if to_convert:
+            trained_terms.append(
+                Term(f"{half.attribute} (converted)", to_convert * wbytes, f"into {m.dtype}")
+            )
         if reference:
-            trained_terms.append(Term("KL reference copy", n_train * wbytes, "whole, before sharding"))
+            trained_terms.append(Term("KL reference copy", n * wbytes, "whole, before sharding"))
         if masters:
             trained_terms.append(Term("float32 masters", n_train * 4, "whole, before sharding"))
     elif on_cpu and shard > 1:
-        trained_terms.append(
-            Term(
-                "its file pages this rank reads", file_bytes / shard, f"sharding copies 1/{shard} of the file"
-            )
-        )
+        detail = f"sharding copies 1/{shard} of the file"
+        trained_terms.append(Term("its file pages this rank reads", file_bytes / shard, detail))
         trained_terms.append(Term(f"{half.attribute} shards", n * wbytes / shard, f"1/{shard}, {m.dtype}"))
-    else:
+    elif not on_cpu:
         trained_terms.append(Term(f"{half.attribute} file pages", file_bytes, "passing through to the GPU"))
+    # (DDP on the CPU touches nothing while loading: the mapped file becomes resident as training reads it.)
+    # The reference's shards in host memory: on a CPU when read into shards (loaded whole, its whole copy
+    # above is the peak), on a GPU run when they are offloaded.
+    if reference and ((into_shards and on_cpu) or (offloaded and not on_cpu)):
+        where = f"1/{shard}" + (" in host memory (fsdp_reference_offload)" if offloaded else "")
+        trained_terms.append(Term("KL reference shards", n * wbytes / shard, where))
     trained_bytes = sum(t.bytes for t in trained_terms)
     if passing > trained_bytes:  # the frozen components' moment is the peak
         plan.terms.append(Term("frozen component passing through", passing, "the largest one's file pages"))

@@ -70,8 +70,8 @@ def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
             f"trainer.output_dir={out / mode / 'resumed'}",
             f"trainer.resume={_checkpoint(out / mode / 'fsdp', 1)}",
         ]
-    # The runs below also load the previous way: every rank loads the whole pipeline, then shards (by default
-    # the trained component is built empty and each rank reads its shards from the files).
+    # "-whole-load" and "-per-unit" load the previous way: every rank loads the whole pipeline, then shards
+    # (by default the trained component is built empty and each rank reads its shards from the files).
     if kind == "ar":
         # generate() through per-unit gathers: every generated token is a collective of every unit.
         runs["lora/fsdp-per-unit"] = [
@@ -89,6 +89,10 @@ def _launch(tmp_path_factory, kind: str) -> tuple[Path, dict, str]:
             f"trainer.output_dir={out / 'full' / 'fsdp-offload'}",
             "trainer.fsdp_reference_offload=true",
             "trainer.fsdp_gather_for_rollout=false",
+        ]
+        runs["full/fsdp-whole-load"] = [
+            *runs["full/fsdp"][:-1],
+            f"trainer.output_dir={out / 'full' / 'fsdp-whole-load'}",
             "trainer.fsdp_load_into_shards=false",
         ]
         runs["lora/fsdp-bf16"] = [
@@ -190,15 +194,16 @@ def test_fsdp_weights_after_two_steps_equal_ddp_within_fp32_tolerance(runs, mode
 
 
 # Runs that load the whole pipeline on every rank, then shard, beside the default's (read into shards).
-WHOLE_LOAD = {"dit": ("full/fsdp", "full/fsdp-offload"), "ar": ("lora/fsdp", "lora/fsdp-per-unit")}
+WHOLE_LOAD = {"dit": ("full/fsdp", "full/fsdp-whole-load"), "ar": ("lora/fsdp", "lora/fsdp-per-unit")}
 
 
 @pytest.mark.parametrize("kind", list(WHOLE_LOAD))
 def test_loading_into_shards_gives_the_run_of_a_whole_load_bit_for_bit(request, kind):
     """The trained component built empty, sharded, and each rank's shards read from the safetensors files
     (the DiT's full fine-tune with its KL reference read the same way; the AR model's LoRA adapters drawn as
-    in a whole load) trains exactly as the whole pipeline loaded by every rank, then sharded (which also
-    samples per unit, and for the DiT offloads the reference: neither may change a number)."""
+    in a whole load) trains exactly as the whole pipeline loaded by every rank, then sharded (the AR run
+    also samples per unit, which may not change a number either). The DiT's offloaded reference is read
+    into host-memory shards: `test_reference_offload_and_per_unit_sampling_give_the_same_run`."""
     out, reports, log = request.getfixturevalue(f"{kind}_runs")
     into_shards, whole = WHOLE_LOAD[kind]
     assert [r["read_into_shards"] for r in reports[into_shards]] == [True, True]

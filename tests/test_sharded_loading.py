@@ -150,3 +150,58 @@ def test_the_loading_plan_of_a_full_fine_tune_read_into_shards_is_an_eighth_of_a
     # On a GPU the host only passes pages through: the frozen AR model's (18 GB) is then the peak.
     gpu = _loading(full, device="cuda")
     assert [t.name for t in gpu.terms][-1] == "frozen component passing through" and gpu.peak < whole.peak
+
+
+def test_a_rotary_buffer_saved_in_the_checkpoint_is_not_read_as_from_pretrained_drops_it(
+    tiny_model_dir, tmp_path, caplog
+):
+    """Non-persistent buffers are the module's own (computed); a file that holds one anyway (older exports
+    did) is ignored, with a warning, as from_pretrained ignores it."""
+    name = "model.language_model.rotary_emb.inv_freq"
+    folder = tmp_path / "vision_language_encoder"
+    shutil.copytree(tiny_model_dir / "vision_language_encoder", folder)
+    file = folder / "model.safetensors"
+    weights = load_file(str(file))
+    empty = empty_component(tiny_model_dir, "vision_language_encoder", torch.float32)
+    computed = empty.get_buffer(name).clone()
+    weights[name] = torch.zeros_like(computed)
+    save_file(weights, str(file))
+    with caplog.at_level("WARNING"):
+        check_loadable(empty, folder)
+    assert f"not used by the module: {name}" in caplog.text
+    materialise_(empty, folder, torch.device("cpu"))
+    assert torch.equal(empty.get_buffer(name), computed) and computed.abs().sum() > 0
+
+
+def test_the_loading_plan_reads_the_files_dtypes_and_knows_what_each_way_touches(tiny_model_dir, tmp_path):
+    """The tiny model's files are float32: loaded in bf16 every component is converted (held on the CPU);
+    under DDP on the CPU nothing else is touched while loading; on a GPU an offloaded reference keeps its
+    shards in host memory."""
+    cfg = load_config(
+        config="t2i_training",
+        overrides=["model.dtype=bfloat16", "model.lora.enabled=false", "algo.beta=0.04"],
+    )
+    pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    numels = {
+        n: sum(p.numel() for p in getattr(pipe, n).parameters())
+        for n in ("vision_language_encoder", "transformer", "text_encoder", "vae")
+    }
+    ddp = {t.name: t.bytes for t in loading_host_plan(cfg, world_size=1, strategy="ddp", device="cpu").terms}
+    frozen = sum(v for k, v in numels.items() if k != "transformer")
+    assert ddp["frozen components (converted)"] == 2 * frozen  # every float32 element into 2 bytes
+    dit = numels["transformer"]
+    assert ddp["transformer file pages"] == 4 * dit and ddp["transformer (converted)"] == 2 * dit
+    assert ddp["KL reference copy"] == 2 * dit and ddp["float32 masters"] == 4 * dit
+    # (On cached prior tokens, so that no frozen AR model passing through is the GPU run's peak.)
+    offload = [
+        "trainer.fsdp_reference_offload=true",
+        "trainer.fsdp_load_into_shards=false",
+        f"data.prior_cache={tmp_path}",
+    ]
+    cfg = load_config(
+        config="t2i_training", overrides=["model.lora.enabled=false", "algo.beta=0.04", *offload]
+    )
+    gpu = {
+        t.name: t.bytes for t in loading_host_plan(cfg, world_size=4, strategy="fsdp", device="cuda").terms
+    }
+    assert gpu["KL reference shards"] == 4 * dit / 4  # float32 model: 4 bytes, a quarter per rank

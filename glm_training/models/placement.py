@@ -159,7 +159,7 @@ def run_stage(name: str, fn: Callable[[], T], timeout_s: float) -> T:
     result: dict[str, Any] = {}
     # The CUDA device is per thread: the stage's thread uses the caller's (a collective in the stage, such as
     # reading shards, must run on this rank's GPU, not on cuda:0).
-    cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def target() -> None:
         try:

@@ -20,10 +20,11 @@ whole trained half, nor the whole KL reference:
    `HuggingFaceStorageReader`: safetensors reads a slice of each tensor, and the file's dtype is converted
    to the parameter's as `from_pretrained` converts it).
 
-The result equals a whole load then sharded, bit for bit (tests/test_fsdp.py runs both). Nothing calls `.to()`
-on a meta tensor (the meta-tensor seed): the frozen components are checked and moved without the trained one,
-which only ever gets storage through `to_empty`. A checkpoint whose names do not match the module (a
-conversion that `from_pretrained` would apply) is refused before anything is sharded, naming the keys.
+The result equals a whole load then sharded, bit for bit (tests/test_fsdp.py runs both). No meta tensor is
+ever moved to a device (the meta-tensor seed; a dtype cast of one, as `empty_component` makes, moves no
+data): the frozen components are checked and moved without the trained one, which only gets storage through
+`to_empty`. A checkpoint whose names do not match the module (a conversion that `from_pretrained` would
+apply) is refused before anything is sharded, naming the keys.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ PEFT_BASE = ".base_layer"
 
 
 def local_pipeline_folder(path: str) -> Path:
-    """The local folder of a pipeline: `path` itself, or the Hugging Face cache's snapshot of a hub id
-    (`from_pretrained` has just fetched it, so this reads the cache, offline too)."""
+    """The local folder of a pipeline: `path` itself, or the Hugging Face cache's snapshot of a hub id,
+    fetched if it is not there yet (the trainers call it on rank 0 first, under the stage timeout; offline,
+    the cache must hold it)."""
     if Path(path).is_dir():
         return Path(path)
     from diffusers import DiffusionPipeline
@@ -128,6 +130,16 @@ def _meta_names(module: nn.Module) -> list[str]:
     return [n for n, t in named if t.device.type == "meta"]
 
 
+def _loadable_names(module: nn.Module) -> set[str]:
+    """Names of what a checkpoint may fill: parameters and persistent buffers (a state dict's keys)."""
+    names = {n for n, _ in module.named_parameters()}
+    for prefix, sub in module.named_modules():
+        for name in sub._buffers:
+            if name not in sub._non_persistent_buffers_set and sub._buffers[name] is not None:
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
 def check_loadable(module: nn.Module, folder: Path) -> None:
     """Refuse, before anything is sharded, a checkpoint that cannot fill `module`: a weight missing from the
     files (a key the library renames while loading) or weights tied to each other (`to_empty` would untie
@@ -140,7 +152,11 @@ def check_loadable(module: nn.Module, folder: Path) -> None:
                 "untie; set trainer.fsdp_load_into_shards=false to load the trained component whole."
             )
         seen[id(param)] = name
-    missing = sorted(set(map(file_key, _meta_names(module))) - file_keys(folder))
+    in_files = file_keys(folder)
+    missing = sorted(set(map(file_key, _meta_names(module))) - in_files)
+    unexpected = sorted(in_files - {file_key(n) for n in _loadable_names(module)})
+    if unexpected:  # from_pretrained drops them with a warning; so does this
+        logger.warning("[load] %s: not used by the module: %s", folder, ", ".join(unexpected[:10]))
     if missing:
         shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
         raise PlacementError(
@@ -156,7 +172,10 @@ def standin_weights(module: nn.Module) -> Iterator[nn.Module]:
     holds one element (a broadcast zero), then put back (with the stand-in's `requires_grad`).
 
     For peft's adapter injection on an empty module: peft moves a new adapter to its base layer's device
-    and dtype, and a meta base would leave the adapter without its values.
+    and dtype, and a meta base would leave the adapter without its values. peft reads only the base
+    weights' device and dtype for the initialisation `add_lora_adapters` uses (`init_lora_weights=True`,
+    drawn from the generator); initialisations that read the base values (PiSSA, OLoRA, LoftQ) would see
+    zeros.
     """
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     for sub in module.modules():
@@ -181,9 +200,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialise_(module: nn.Module, folder: Path, device: torch.device) -> None:
+def materialise_(
+    module: nn.Module, folder: Path, device: torch.device, buffers_device: torch.device | None = None
+) -> None:
     """Collective: give a sharded module built on the meta device its storage on `device` and read this
-    rank's part of each of its weights from the safetensors files in `folder`.
+    rank's part of each of its weights from the safetensors files in `folder`. `buffers_device`: where the
+    buffers go when it is not `device` (the GPU, for shards offloaded to host memory: FSDP2 keeps buffers on
+    the device).
 
     Tensors that were real before and are not in the files (LoRA adapters, rotary frequencies) keep their
     values; every meta parameter and buffer must be in the files (`check_loadable`).
@@ -192,9 +215,12 @@ def materialise_(module: nn.Module, folder: Path, device: torch.device) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     in_files = file_keys(folder)
+    loadable = _loadable_names(module)
     named = dict([*module.named_parameters(), *module.named_buffers()])
     # What is meta, and any persistent buffer the files hold (from_pretrained would load it too).
-    to_read = {n for n, t in named.items() if t.device.type == "meta" or file_key(n) in in_files}
+    to_read = {
+        n for n, t in named.items() if t.device.type == "meta" or (n in loadable and file_key(n) in in_files)
+    }
     kept = {n: _local(t).clone() for n, t in named.items() if n not in to_read}
     module.to_empty(device=device)
     named = dict([*module.named_parameters(), *module.named_buffers()])
@@ -203,6 +229,11 @@ def materialise_(module: nn.Module, folder: Path, device: torch.device) -> None:
     # Names of the tensors after `to_empty` (it replaces every tensor; FSDP2 re-registers its shards).
     state = {file_key(n): named[n] for n in to_read}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)))
+    if buffers_device is not None:
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[name] = buffer.to(buffers_device)
     logger.info(
         "[load] %s: %d tensors read into this rank's shards from %s",
         type(module).__name__,

@@ -65,7 +65,7 @@ from glm_training.models.halves import ModelHalf, model_half
 from glm_training.models.lora import adapters_disabled, add_lora_adapters
 from glm_training.models.master_weights import computing_like_masters, master_names, upcast_trained_
 from glm_training.models.placement import describe_module, run_stage
-from glm_training.models.sharded_loading import standin_weights
+from glm_training.models.sharded_loading import local_pipeline_folder, standin_weights
 from glm_training.models.wrapper import (
     GLMImageWrapper,
     enable_gradient_checkpointing,
@@ -522,6 +522,17 @@ class RewardTrainer(ABC):
                     lambda: resolve_model_path(m.name, m.tiny_seed, m.shape_layers()),
                     m.stage_timeout_s,
                 )
+                if self.parallel.loads_into_shards:
+                    # The trained component's files are read shard by shard, not by from_pretrained (which
+                    # would not fetch a component it is told to leave out): a hub id's whole snapshot, fetched
+                    # once, on rank 0; every rank then loads from the local folder.
+                    path = str(
+                        run_stage(
+                            f"fetch '{path}' into the local cache",
+                            lambda: local_pipeline_folder(path),
+                            m.stage_timeout_s,
+                        )
+                    )
             except Exception as err:  # noqa: BLE001  (re-raised below, outside the barrier)
                 error = err
         if error is not None:
