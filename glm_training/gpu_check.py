@@ -11,7 +11,8 @@ metrics files. It
    meta device, materialised with `to_empty` and filled by a seeded deterministic init (no round trip through
    disk), then a forward of the AR model must give finite logits;
 2. times the pipeline's own text-to-image call, the AR rollout (`rollout.ar.sample_image_tokens`, every
-   decoding path in `DECODING_PATHS`, and on CUDA the loop's compiled step at one shape) in tokens/s next to
+   decoding path in `DECODING_PATHS` or those `--decoding` names, and on CUDA the loop's compiled step at one
+   shape) in tokens/s next to
    its memory-bandwidth roofline, and one LoRA training
    step of each half (`DiTTrainer`: Flow-GRPO; `ARTrainer`: GRPO/DAPO) next to `glm_training.plan`'s memory
    prediction for the same config;
@@ -99,6 +100,7 @@ class Settings:
     toy: bool
     sizes: tuple[int, ...]
     batch_sizes: tuple[int, ...]
+    decoding_paths: tuple[str, ...]  # the AR decoding paths to time (default: every one)
     num_inference_steps: int
     train_size: int
     output: Path
@@ -824,6 +826,7 @@ def render_markdown(data: dict[str, Any]) -> str:
 def parse_settings(argv: list[str] | None) -> Settings:
     from glm_training.environment import cpu_has_native_bf16
     from glm_training.models import shape
+    from glm_training.rollout.ar import DECODING_PATHS
 
     parser = argparse.ArgumentParser(
         prog="python -m glm_training.gpu_check", description=__doc__.split("\n\n")[0]
@@ -839,6 +842,12 @@ def parse_settings(argv: list[str] | None) -> Settings:
     )
     add("--sizes", type=int, nargs="+", help="image sizes to time (default 1024 512; --toy: 64)")
     add("--batch-sizes", type=int, nargs="+", help="AR rollout batch sizes (default 1 4 16; --toy: 1 2)")
+    add(
+        "--decoding",
+        nargs="+",
+        choices=DECODING_PATHS,
+        help=f"AR decoding paths to time (default: every one, {' '.join(DECODING_PATHS)})",
+    )
     add("--num-inference-steps", type=int, help="DiT steps of the pipeline call (default 50; --toy: 2)")
     add("--train-size", type=int, help="image size of the training steps (default 1024; --toy: 64)")
     args = parser.parse_args(argv)
@@ -865,6 +874,7 @@ def parse_settings(argv: list[str] | None) -> Settings:
         toy=args.toy,
         sizes=sizes,
         batch_sizes=tuple(args.batch_sizes or ((1, 2) if args.toy else (1, 4, 16))),
+        decoding_paths=tuple(args.decoding or DECODING_PATHS),
         num_inference_steps=args.num_inference_steps or (2 if args.toy else 50),
         train_size=train_size,
         output=args.output,
@@ -874,7 +884,6 @@ def parse_settings(argv: list[str] | None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     from glm_training.logs import setup_logging
-    from glm_training.rollout.ar import DECODING_PATHS
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; a stray download fails at once
     setup_logging(True)
@@ -891,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_sizes": s.batch_sizes,
         "num_inference_steps": s.num_inference_steps,
         "train_size": s.train_size,
-        "decoding_paths": DECODING_PATHS,
+        "decoding_paths": s.decoding_paths,
         "model": f"GLM-Image widths, {depth} ({layers}), random weights, {dtype}",
     }
     report.data["environment"] = environment(s.device)
@@ -925,11 +934,11 @@ def main(argv: list[str] | None = None) -> int:
         with report.stage("AR warm-up (each decoding path once, 64x64)"):
             from glm_training.rollout.ar import SamplingParams, sample_image_tokens
 
-            for decoding in DECODING_PATHS:
+            for decoding in s.decoding_paths:
                 sample_image_tokens(
                     pipe, [PROMPT], 64, 64, SamplingParams.from_pipeline(pipe), 0, decoding=decoding
                 )
-    for decoding in DECODING_PATHS:
+    for decoding in s.decoding_paths:
         for size in s.sizes:
             for batch in s.batch_sizes:
                 with report.stage(f"AR rollout decoding={decoding} {size}x{size} batch {batch}"):

@@ -30,8 +30,19 @@ def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        # One batch size: each real-width rollout takes ~8 s on 2 cores.
-        argv = ["--device", "cpu", "--toy", "--batch-sizes", "1", "--output", str(tmp_path)]
+        # One batch size and one decoding path: each real-width rollout takes ~8 s on 2 cores (the paths give
+        # the same tokens: tests/test_ar_logprobs.py).
+        argv = [
+            "--device",
+            "cpu",
+            "--toy",
+            "--batch-sizes",
+            "1",
+            "--decoding",
+            "loop",
+            "--output",
+            str(tmp_path),
+        ]
         assert gpu_check.main(argv) == 0
     finally:
         torch.set_num_threads(threads)
@@ -50,7 +61,9 @@ def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
     assert _positive(call["seconds"]) and _positive(call["peak_memory_gib"])
 
     rollouts = {(r["decoding"], r["batch"]): r for r in report["ar_rollout"]}
-    assert set(rollouts) == {(path, batch) for path in DECODING_PATHS for batch in (1,)}
+    assert set(rollouts) == {("loop", 1)} and report["run"]["decoding_paths"] == ["loop"]
+    # Without --decoding, every path the project has is timed.
+    assert gpu_check.parse_settings(["--device", "cpu", "--toy"]).decoding_paths == tuple(DECODING_PATHS)
     for (_, batch), r in rollouts.items():
         # 64x64: the 16x16 preview grid and the 2x2 large grid, per sample.
         assert r["tokens"] == batch * (256 + 4)
