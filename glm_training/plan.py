@@ -451,12 +451,17 @@ def log_memory_plan(cfg: Any, accelerator: Any) -> MemoryPlan | None:
         indices = range(torch.cuda.device_count()) if spread else [accelerator.device.index or 0]
         total = sum(torch.cuda.get_device_properties(i).total_memory for i in indices)
         device_bytes = int(total * cfg.model.max_memory_fraction)
-    plan, error = None, None
+    plan, loading, error = None, None, None
+    world = accelerator.num_processes
     # Rank 0 first: reading the tiny model's configs builds it, and only rank 0 may (see _build_model). No
     # exception may leave this block: each rank must reach both of its barriers.
     with accelerator.main_process_first():
         try:
-            plan = build_plan(cfg, world_size=accelerator.num_processes, device_bytes=device_bytes)
+            modules = meta_components(cfg.model)  # once, for both tables
+            plan = build_plan(cfg, world_size=world, device_bytes=device_bytes, modules=modules)
+            loading = loading_host_plan(
+                cfg, world_size=world, device=accelerator.device.type, modules=modules
+            )
         except Exception as err:  # the plan is advice: a model it cannot size still loads
             error = err
     if plan is None:
@@ -464,8 +469,9 @@ def log_memory_plan(cfg: Any, accelerator: Any) -> MemoryPlan | None:
         return None
     for line in plan.table().splitlines():
         logger.info("[plan] %s", line)
-    with contextlib.suppress(Exception):  # advice only, as above
-        loading = loading_host_plan(cfg, world_size=accelerator.num_processes, device=accelerator.device.type)
+    if loading is None:  # the device plan above still decides whether the run fits
+        logger.warning("[plan] no loading plan for model '%s': %s", cfg.model.name, error)
+    else:
         for line in loading.table().splitlines():
             logger.info("[plan] %s", line)
     check_fits(plan)
@@ -661,9 +667,14 @@ def main(argv: list[str] | None = None) -> int:
     device_bytes = (
         int(args.gpu_memory_gb * 1e9 * cfg.model.max_memory_fraction) if args.gpu_memory_gb else None
     )
-    plan = build_plan(cfg, world_size=args.world_size, strategy=args.strategy, device_bytes=device_bytes)
+    modules = meta_components(cfg.model)
+    plan = build_plan(
+        cfg, world_size=args.world_size, strategy=args.strategy, device_bytes=device_bytes, modules=modules
+    )
     print(plan.table())
-    loading = loading_host_plan(cfg, world_size=args.world_size, strategy=args.strategy, device=args.device)
+    loading = loading_host_plan(
+        cfg, world_size=args.world_size, strategy=args.strategy, device=args.device, modules=modules
+    )
     print(loading.table())
     if not plan.fits():
         print(f"does NOT fit: {plan.summary()}", file=sys.stderr)
