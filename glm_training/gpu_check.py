@@ -1,25 +1,31 @@
 """One-command check of the GPU path: speed, memory and placement of GLM-Image at its real depth.
 
-    python -m glm_training.gpu_check [--device cuda|cpu] [--toy] [--output DIR]
+    python -m glm_training.gpu_check [--device cuda|cpu] [--toy] [--output DIR] [--sections NAME ...]
 
-Meant for one 80 GB GPU and about ten minutes. It downloads nothing and writes its two reports, plus, in a
-temporary folder it removes, a 1 MB tiny GLM-Image for the placement checks and the trainers' config and
-metrics files. It
+Made for one 80 GB GPU: every section takes about 5.5 minutes on one H100 (docs/benchmarks.md). It downloads
+nothing and writes, under `--output`, `gpu_check.jsonl` (one line per finished stage, flushed and synced at
+once, so that a run stopped at a time limit keeps every finished stage), `gpu_check.json` (everything) and
+`gpu_check.md` (the tables for docs/benchmarks.md, targets first); a temporary folder it removes holds a
+1 MB tiny GLM-Image for the seed checks and the trainers' config and metrics files. It exits 1 when a check
+fails or a stage raises. After the environment (device, driver, versions, measured copy bandwidth and matmul
+throughput), the sections in order of value (`SECTIONS`; `--sections` picks some):
 
-1. builds GLM-Image at the real depth (40 AR layers, 40 vision layers, 30 DiT blocks, 12 glyph layers; the
-   widths of `models/shape.py`) with random weights directly on the device: each component is created on the
-   meta device, materialised with `to_empty` and filled by a seeded deterministic init (no round trip through
-   disk), then a forward of the AR model must give finite logits;
-2. times the pipeline's own text-to-image call, the AR rollout (`rollout.ar.sample_image_tokens`, every
-   decoding path in `DECODING_PATHS` or those `--decoding` names, and on CUDA the loop's compiled step at one
-   shape) in tokens/s next to
-   its memory-bandwidth roofline, and one LoRA training
-   step of each half (`DiTTrainer`: Flow-GRPO; `ARTrainer`: GRPO/DAPO) next to `glm_training.plan`'s memory
-   prediction for the same config;
-3. checks the lessons of the project's four seed bugs on the device, through the project's own code
-   (`models/placement.py`, `models/wrapper.py`, `distributed.py`);
-4. writes `gpu_check.json` (everything) and `gpu_check.md` (tables for docs/benchmarks.md); exits 1 when a
-   check fails or a stage raises.
+1. `seeds`: the lessons of the project's four seed bugs, checked on the device through the project's own code
+   (`models/placement.py`, `models/wrapper.py`, `distributed.py`) on the tiny model;
+2. then GLM-Image is built at the real depth (40 AR layers, 40 vision layers, 30 DiT blocks, 12 glyph
+   layers; the widths of `models/shape.py`) with random weights directly on the device: each component is
+   created on the meta device, materialised with `to_empty` and filled by a seeded deterministic init (no
+   round trip through disk); a forward of the AR model must give finite logits;
+3. `dit`: one Flow-GRPO LoRA step of the DiT (`DiTTrainer`, `recipes/flow_grpo_fast_ocr`): seconds, MFU, peak
+   memory next to `glm_training.plan`'s prediction; its prior tokens are seeded random codebook ids, as a
+   prior cache (`data.prior_cache`) hands them over, so the step times the DiT alone;
+4. `ar`: one GRPO/DAPO LoRA step of the AR model (`ARTrainer`, `recipes/dapo_aesthetic_alignment`): seconds
+   and peak memory next to the plan;
+5. `decoding`: AR decoding tokens/s over a fixed number of steps (`rollout.ar.decode_first_tokens`) at each
+   batch size, for every path in `DECODING_PATHS` (or those `--decoding` names) and, with `--compile`
+   (default on CUDA), the loop's compiled step (CUDA graphs), next to the memory-bandwidth roofline;
+6. `pipeline`: one text-to-image call at each size: the project's decoding loop (compiled where it compiled
+   in 5) writes the prior tokens, the pipeline's DiT and VAE turn them into pixels.
 
 `--toy` keeps one layer per stack (the real widths: the `model=glm_image_shape` fixture's layout) and 64x64
 images, so the same code runs on a CPU (in float32 where the CPU has no native bf16).
@@ -29,11 +35,11 @@ on any device, one seeded block of 2^20 - 3 normal values (a prime length) is ti
 per-tensor offset: rows of a matrix are distinct windows of the block, which keeps activations and logits in
 their usual range (the build checks the logits).
 
-Training steps: the trainers are the project's own, built from the real-model recipes
-(`recipes/flow_grpo_fast_ocr`, `recipes/dapo_aesthetic_alignment`; `model=glm_image_shape` with `--toy`) with
-one group of two samples, the JPEG reward (no reward weights to download) and the bundled prompts. Only where
-the model comes from differs: `_build_model` hands over the pipeline built here instead of loading a folder,
-so nothing is written to disk; the checkpoint at the end of the step is skipped.
+Training steps: the trainers are the project's own, built from the real-model recipes (`model=glm_image_shape`
+with `--toy`) with one group of two samples, the JPEG reward (no reward weights to download) and the bundled
+prompts; `--dit-overrides` / `--ar-overrides` add config overrides. Only where the model comes from differs:
+`_build_model` hands over the pipeline built here instead of loading a folder, so nothing is written to disk;
+the checkpoint at the end of the step is skipped.
 """
 
 from __future__ import annotations
@@ -98,12 +104,16 @@ class Settings:
     device: torch.device
     dtype: torch.dtype
     toy: bool
+    sections: tuple[str, ...]  # SECTIONS to run, in their order
     sizes: tuple[int, ...]
     batch_sizes: tuple[int, ...]
     decoding_paths: tuple[str, ...]  # the AR decoding paths to time (default: every one)
+    decode_steps: int
+    compile: bool
     num_inference_steps: int
     train_size: int
     output: Path
+    overrides: dict[str, list[str]] = field(default_factory=dict)  # per half: --dit-overrides, --ar-overrides
     seed: int = 0
     layers: dict[str, int] = field(default_factory=dict)  # ar, vision, dit, glyph
 
@@ -260,12 +270,33 @@ def ar_logits_check(pipe, device: torch.device) -> dict[str, Any]:
 # 2. Speed: the pipeline's own call, the AR rollout against its roofline
 
 
-def time_pipeline(pipe, size: int, num_steps: int, device: torch.device) -> dict[str, Any]:
-    """`pipe(prompt=..., height, width, num_inference_steps)`: seconds, peak memory, finite pixels."""
+def time_text_to_image(
+    pipe, size: int, num_steps: int, device: torch.device, compile: bool
+) -> dict[str, Any]:
+    """One text-to-image call: the project's decoding loop writes the prior tokens (`sample_image_tokens`,
+    compiled when `compile`), then `pipe(prompt=..., prior_token_ids=...)` runs the DiT and the VAE.
+
+    Seconds of each half and in all, peak memory, finite pixels. Where the compiled step had to compile or
+    capture its graph during the timed call (`graphs_compiled`), the AR half is timed once more, warm.
+    """
+    from glm_training.rollout.ar import SamplingParams, sample_image_tokens
+
+    params = SamplingParams.from_pipeline(pipe)
+
+    def ar_half() -> tuple[Any, dict[str, Any], int]:
+        graphs = _compiled_graphs()
+        with measured(device) as ar:
+            samples = sample_image_tokens(pipe, [PROMPT], size, size, params, seed=0, compile=compile)
+        return samples, ar, _compiled_graphs() - graphs
+
+    samples, ar, compiled = ar_half()
+    if compile and compiled:
+        samples, ar, _ = ar_half()
     generator = torch.Generator(device=device).manual_seed(0)
-    with measured(device) as m:
+    with measured(device) as dit:
         images = pipe(
             prompt=PROMPT,
+            prior_token_ids=samples.prior_token_ids.to(device),
             height=size,
             width=size,
             num_inference_steps=num_steps,
@@ -273,7 +304,27 @@ def time_pipeline(pipe, size: int, num_steps: int, device: torch.device) -> dict
             output_type="np",
         ).images
     finite = bool(torch.isfinite(torch.as_tensor(images)).all())
-    return {"height": size, "width": size, "num_inference_steps": num_steps, "finite": finite, **m}
+    return {
+        "height": size,
+        "width": size,
+        "num_inference_steps": num_steps,
+        "decoding": "loop+compile" if compile else "loop",
+        "ar_tokens": int(samples.completion_mask.sum()) + 1,
+        "ar_seconds": ar["seconds"],
+        "graphs_compiled_in_first_ar_call": compiled,
+        "dit_seconds": dit["seconds"],
+        "seconds": ar["seconds"] + dit["seconds"],
+        "peak_memory_gib": max(ar["peak_memory_gib"], dit["peak_memory_gib"]),
+        "peak_memory_source": dit["peak_memory_source"],
+        "finite": finite,
+    }
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has produced in this process so far (dynamo's counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def decode_bytes_per_step(model: nn.Module, batch: int, context: float) -> dict[str, float]:
@@ -293,47 +344,68 @@ def decode_bytes_per_step(model: nn.Module, batch: int, context: float) -> dict[
     return {"weights": weights, "kv_cache": kv, "total": weights + kv}
 
 
-def time_ar_rollout(
+def time_decoding(
     pipe,
     decoding: str,
+    compile: bool,
     size: int,
     batch: int,
+    num_steps: int,
     bandwidth: float | None,
     device: torch.device,
-    compile: bool = False,
 ) -> dict[str, Any]:
-    """`sample_image_tokens` at `batch` prompts: image tokens/s next to the bandwidth roofline.
+    """Decoding speed over the first `num_steps` steps of a `size`² rollout of `batch` prompts, next to its
+    memory-bandwidth roofline (`decode_first_tokens`).
 
-    The time is the whole call (prompt prefill and bookkeeping included), the tokens those of the image grids.
-    Roofline: `batch` tokens per step, a step reading `decode_bytes_per_step` at the mean context length, at
-    the measured copy bandwidth.
+    Two timed calls, one draw (the prefill's) and `num_steps` draws; their difference is `num_steps - 1`
+    decoding steps without the prefill: tokens/s = batch x (num_steps - 1) / that difference. With `compile`
+    a first call compiles the step and captures its graph (`compile_seconds`). Roofline: `batch` tokens a
+    step, a step reading `decode_bytes_per_step` at the measured copy bandwidth; the loop reads its whole
+    preallocated cache, generate() its cache at the mean context length.
     """
-    from glm_training.rollout.ar import SamplingParams, chat_inputs, sample_image_tokens
+    from glm_training.rollout.ar import SamplingParams, chat_inputs, decode_first_tokens
 
     params = SamplingParams.from_pipeline(pipe)
     prompts = [PROMPT] * batch
+    out: dict[str, Any] = {}
+
+    def run(steps: int) -> None:
+        decode_first_tokens(pipe, prompts, size, size, params, 0, steps, decoding=decoding, compile=compile)
+
+    if compile:
+        with measured(device) as first:
+            run(4)  # compiles, then warms up and captures the CUDA graph
+        out["compile_seconds"] = first["seconds"]
+    graphs = _compiled_graphs()
+    with measured(device) as prefill:
+        run(1)
     with measured(device) as m:
-        samples = sample_image_tokens(
-            pipe, prompts, size, size, params, seed=0, decoding=decoding, compile=compile
-        )
-    num_prompt = chat_inputs(pipe, prompts, size, size)["input_ids"].shape[1]
-    num_steps = samples.input_ids.shape[1] - num_prompt
-    tokens = int(samples.completion_mask.sum())
-    read = decode_bytes_per_step(pipe.vision_language_encoder, batch, num_prompt + (num_steps - 1) / 2)
-    speed = tokens / m["seconds"]
+        run(num_steps)
+    inputs = chat_inputs(pipe, prompts, size, size)
+    num_prompt = inputs["input_ids"].shape[1]
+    num_grid = sum(int(t * h * w) for t, h, w in inputs["image_grid_thw"].tolist()) // batch
+    context = num_prompt + num_grid + 1 if decoding == "loop" else num_prompt + (num_steps - 1) / 2
+    read = decode_bytes_per_step(pipe.vision_language_encoder, batch, context)
+    seconds = m["seconds"] - prefill["seconds"]
+    speed = batch * (num_steps - 1) / seconds if seconds > 0 else float("nan")
     roofline = batch * bandwidth / read["total"] if bandwidth else None
     return {
         "decoding": f"{decoding}+compile" if compile else decoding,
         "height": size,
         "width": size,
         "batch": batch,
-        "tokens": tokens,
+        "num_steps": num_steps,
         "prompt_tokens": num_prompt,
+        "prefill_seconds": prefill["seconds"],
+        "seconds": m["seconds"],
+        "step_ms": 1000 * seconds / (num_steps - 1),
         "tokens_per_s": speed,
         "bytes_per_step": read,
         "roofline_tokens_per_s": roofline,
         "ratio": speed / roofline if roofline else None,
-        **m,
+        "graphs_compiled": _compiled_graphs() - graphs,
+        "peak_memory_gib": max(prefill["peak_memory_gib"], m["peak_memory_gib"]),
+        **out,
     }
 
 
@@ -505,6 +577,7 @@ def _in_memory(trainer_cls: type) -> type:
     """`trainer_cls` whose model is a given pipeline (no folder, no `.to()`), with the rollout and the update
     timed and their peak memory measured, and no checkpoint written."""
     from glm_training.models.wrapper import GLMImageWrapper
+    from glm_training.trainers.diffusion_trainer import DiffusionTrainer
 
     class InMemory(trainer_cls):
         def __init__(self, cfg, pipeline) -> None:
@@ -532,8 +605,19 @@ def _in_memory(trainer_cls: type) -> type:
         def _save(self, step: int, at_once: bool = True) -> None:
             pass  # the check writes no checkpoint
 
+    if issubclass(trainer_cls, DiffusionTrainer):
+        InMemory._shared_prior_tokens = _random_prior_tokens
     InMemory.__name__ = f"InMemory{trainer_cls.__name__}"
     return InMemory
+
+
+def _random_prior_tokens(trainer, group_prompts: list, step: int) -> torch.Tensor:
+    """The DiT step's prior tokens: seeded random codebook ids, as a prior cache (`data.prior_cache`) would
+    hand them over, so that the step times the DiT alone (the AR step times the AR rollout)."""
+    s = trainer.cfg.sampling
+    vocab = int(trainer.wrapper.pipeline.transformer.config.prior_vq_quantizer_codebook_size)
+    generator = torch.Generator().manual_seed(trainer.sample_seed(step))
+    return torch.randint(vocab, (len(group_prompts), (s.height // 16) * (s.width // 16)), generator=generator)
 
 
 def training_config(component: str, settings: Settings, output_dir: Path):
@@ -565,6 +649,7 @@ def training_config(component: str, settings: Settings, output_dir: Path):
     else:
         recipe = "recipes/dapo_aesthetic_alignment"
         overrides += ["algo.micro_batch_size=2"] + (["sampling.dit_num_steps=1"] if settings.toy else [])
+    overrides += settings.overrides.get(component, [])
     return recipe, load_config(config=recipe, overrides=overrides)
 
 
@@ -583,8 +668,10 @@ def train_step(
         trainer = None
         try:
             trainer = trainer_cls(cfg, pipe)
+            graphs = _compiled_graphs()
             with measured(settings.device) as step:
                 trainer.train()
+            graphs = _compiled_graphs() - graphs
             record = json.loads((trainer.output_dir / "metrics.jsonl").read_text().splitlines()[-1])
             plan = trainer.memory_plan
             phases = trainer.phases
@@ -604,6 +691,7 @@ def train_step(
                 "plan_peak_gib": plan.peak / GIB if plan else None,
                 "plan_summary": plan.summary() if plan else None,
                 "trainable_params": sum(p.numel() for p in trainer.trainable.parameters() if p.requires_grad),
+                "graphs_compiled": graphs,
             }
             if component == "dit":
                 seconds = phases["update"]["seconds"]
@@ -670,38 +758,56 @@ def _free(device: torch.device) -> None:
 
 
 class Report:
-    """The results so far; each stage is timed, logged as it starts and ends, and saved when it ends."""
+    """The results so far; each stage is timed, logged as it starts and ends, and saved when it ends.
+
+    `gpu_check.jsonl` gets one line a finished stage, flushed and synced to disk at once, so that a run cut
+    off at its time limit still leaves every finished stage behind; `gpu_check.json` (everything so far) and
+    `gpu_check.md` (the tables) are rewritten after each stage.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        sections = ("stages", "errors", "checks", "pipeline", "ar_rollout")
+        sections = ("stages", "errors", "checks", "pipeline", "decoding")
         self.data: dict[str, Any] = {**{name: [] for name in sections}, "training": {}}
         self.started = time.perf_counter()
+        settings.output.mkdir(parents=True, exist_ok=True)
+        self.lines = settings.output / "gpu_check.jsonl"
+        self.lines.write_text("")
 
     @contextlib.contextmanager
-    def stage(self, name: str, fatal: bool = False) -> Iterator[None]:
-        """Run a stage; an exception is recorded (and logged) and the run goes on, unless `fatal`."""
+    def stage(self, name: str, section: str, fatal: bool = False) -> Iterator[dict[str, Any]]:
+        """Run a stage, yielding the dict its results go in; an exception is recorded (and logged) and the
+        run goes on, unless `fatal`."""
         logger.info("[gpu_check] %s ...", name)
         start = time.perf_counter()
-        ok = True
+        result: dict[str, Any] = {}
+        line: dict[str, Any] = {"section": section, "stage": name, "ok": True}
         try:
-            yield
+            yield result
         except Exception as err:  # recorded: the report says which stage failed and why
-            ok = False
-            error = f"{type(err).__name__}: {err}"
+            line["ok"] = False
+            line["error"] = f"{type(err).__name__}: {err}"
             self.data["errors"].append(
-                {"stage": name, "error": error, "traceback": traceback.format_exc()[-4000:]}
+                {"stage": name, "error": line["error"], "traceback": traceback.format_exc()[-4000:]}
             )
             logger.error("[gpu_check] %s FAILED: %s: %s", name, type(err).__name__, err)
             _free(self.settings.device)
             if fatal:
                 raise
         finally:
-            seconds = time.perf_counter() - start
-            self.data["stages"].append({"name": name, "seconds": seconds, "ok": ok})
-            if ok:
-                logger.info("[gpu_check] %s done in %.1f s", name, seconds)
+            line["seconds"] = time.perf_counter() - start
+            self.data["stages"].append({"name": name, "seconds": line["seconds"], "ok": line["ok"]})
+            if line["ok"]:
+                logger.info("[gpu_check] %s done in %.1f s", name, line["seconds"])
+            self.append_line({**line, "result": result})
             self.write()
+
+    def append_line(self, line: dict[str, Any]) -> None:
+        line["wall_seconds"] = time.perf_counter() - self.started
+        with self.lines.open("a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     @property
     def passed(self) -> bool:
@@ -711,7 +817,6 @@ class Report:
         self.data["wall_seconds"] = time.perf_counter() - self.started
         self.data["passed"] = self.passed
         out = self.settings.output
-        out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_check.json").write_text(json.dumps(self.data, indent=2, default=str) + "\n")
         (out / "gpu_check.md").write_text(render_markdown(self.data))
 
@@ -727,6 +832,57 @@ def _table(header: str, rows: list[str]) -> list[str]:
     names = [h.strip() for h in header.split("|")]
     rule = "|".join("---:" if n.endswith(":") else "---" for n in names)
     return [f"| {' | '.join(n.rstrip(':') for n in names)} |", f"|{rule}|", *(f"| {row} |" for row in rows)]
+
+
+# The issue's targets on one H100: SGLang's 1024² call (AR 31.8 s + 30 DiT steps 14.0 s) and the vendor's
+# (diffusers, 50 steps) 64.3 s / 37.8 GB.
+SGLANG_SECONDS, SGLANG_DIT_STEPS = 45.8, 30
+VENDOR_SECONDS, VENDOR_PEAK_GB = 64.3, 37.8
+
+
+def target_rows(data: dict[str, Any]) -> list[str]:
+    """ "target | measured | met" rows for the figures measured so far."""
+    rows = []
+    best16 = max(
+        (r for r in data["decoding"] if r["batch"] == 16 and r.get("ratio") is not None),
+        key=lambda r: r["ratio"],
+        default=None,
+    )
+    if best16:
+        ok = best16["ratio"] >= 0.5
+        rows.append(
+            f"AR decoding at batch 16 >= 0.5 x the HBM roofline | {best16['ratio']:.3f} "
+            f"({best16['decoding']}, {_f(best16['tokens_per_s'])} tokens/s) | {'yes' if ok else 'no'}"
+        )
+    for r in data["pipeline"]:
+        if (r["height"], r["width"]) != (1024, 1024):
+            continue
+        per_step = r["dit_seconds"] / r["num_inference_steps"]
+        at_30 = r["ar_seconds"] + SGLANG_DIT_STEPS * per_step
+        rows.append(
+            f"1024² text to image < SGLang's {SGLANG_SECONDS} s (30 DiT steps) | {_f(at_30, 1)} s (AR "
+            f"{_f(r['ar_seconds'], 1)} s + 30 x {_f(per_step, 3)} s, {r['decoding']}) | "
+            f"{'yes' if at_30 < SGLANG_SECONDS else 'no'}"
+        )
+        peak_gb = r["peak_memory_gib"] * GIB / 1e9
+        ok = r["seconds"] < VENDOR_SECONDS and peak_gb < VENDOR_PEAK_GB
+        rows.append(
+            f"1024² text to image, {r['num_inference_steps']} steps < the vendor's {VENDOR_SECONDS} s / "
+            f"{VENDOR_PEAK_GB} GB | {_f(r['seconds'], 1)} s / {_f(peak_gb, 1)} GB | {'yes' if ok else 'no'}"
+        )
+    dit = data["training"].get("dit")
+    if dit and dit.get("mfu") is not None:
+        rows.append(
+            f"DiT LoRA step MFU >= 40% | {_f(100 * dit['mfu'])} % | {'yes' if dit['mfu'] >= 0.4 else 'no'}"
+        )
+    for name, r in data["training"].items():
+        if r.get("plan_peak_gib"):
+            ratio = r["peak_memory_gib"] / r["plan_peak_gib"]
+            rows.append(
+                f"{name} step peak within 15% of the plan | {_f(r['peak_memory_gib'], 2)} / "
+                f"{_f(r['plan_peak_gib'], 2)} GiB = {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.15 else 'no'}"
+            )
+    return rows
 
 
 def render_markdown(data: dict[str, Any]) -> str:
@@ -747,16 +903,9 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"{mm.get('dtype', '?')} matmul (measured) | {_f(mm.get('flops_per_s', 0) / 1e12, 2)} TFLOP/s "
         f"({mm.get('n', '?')}³)",
     ]
-    pipeline = [
-        f"{r['height']}x{r['width']} | {r['num_inference_steps']} | {_f(r['seconds'], 2)} | "
-        f"{_f(r['peak_memory_gib'], 2)} | {r['finite']}"
-        for r in data["pipeline"]
-    ]
-    rollouts = [
-        f"{r['height']}x{r['width']} | {r['decoding']} | {r['batch']} | {r['tokens']} | "
-        f"{_f(r['seconds'], 2)} | {_f(r['tokens_per_s'])} | {_f(r['roofline_tokens_per_s'])} | "
-        f"{_f(r['ratio'], 3)} | {_f(r['peak_memory_gib'], 2)}"
-        for r in data["ar_rollout"]
+    checks = [
+        f"{c['seed']} | {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {c['message'].replace('|', '/')}"
+        for c in data["checks"]
     ]
     steps = []
     for r in data["training"].values():
@@ -769,9 +918,18 @@ def render_markdown(data: dict[str, Any]) -> str:
             f"{_f(flops / 1e12 if flops else None, 3)} | {_f(100 * r['mfu']) + ' %' if r.get('mfu') else '-'}"
         )
     source = next(iter(data["training"].values()))["peak_memory_source"] if steps else "-"
-    checks = [
-        f"{c['seed']} | {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {c['message'].replace('|', '/')}"
-        for c in data["checks"]
+    decoding = [
+        f"{r['height']}x{r['width']} | {r['decoding']} | {r['batch']} | {r['num_steps']} | "
+        f"{_f(r['prefill_seconds'], 2)} | {_f(r['step_ms'], 2)} | {_f(r['tokens_per_s'])} | "
+        f"{_f(r['roofline_tokens_per_s'])} | {_f(r['ratio'], 3)} | {_f(r.get('compile_seconds'), 1)} | "
+        f"{_f(r['peak_memory_gib'], 2)}"
+        for r in data["decoding"]
+    ]
+    pipeline = [
+        f"{r['height']}x{r['width']} | {r['decoding']} | {r['ar_tokens']} | {_f(r['ar_seconds'], 2)} | "
+        f"{r['num_inference_steps']} | {_f(r['dit_seconds'], 2)} | {_f(r['seconds'], 2)} | "
+        f"{_f(r['peak_memory_gib'], 2)} | {r['finite']}"
+        for r in data["pipeline"]
     ]
     passed = sum(c["passed"] for c in data["checks"])
     lines = [
@@ -782,20 +940,13 @@ def render_markdown(data: dict[str, Any]) -> str:
         "",
         *_table(" | ", about),
         "",
-        "#### Text to image: `pipe(prompt=..., height, width, num_inference_steps)`",
+        "#### Targets",
         "",
-        *_table("size | steps: | time (s): | peak memory (GiB): | finite", pipeline),
+        *_table("target | measured | met", target_rows(data)),
         "",
-        "#### AR rollout: `sample_image_tokens`, image tokens/s",
+        "#### Seed checks",
         "",
-        *_table(
-            "size | decoding | batch: | tokens: | time (s): | tokens/s: | roofline tokens/s: | ratio: | "
-            "peak (GiB):",
-            rollouts,
-        ),
-        "",
-        "Roofline: batch x bandwidth / the bytes a decoding step reads (the text model's weights once, the "
-        "batch's embedding rows, the KV cache at the mean context length). The time includes the prefill.",
+        *_table("seed | check | result | message", checks),
         "",
         "#### One LoRA training step (the project's trainer around the in-memory model)",
         "",
@@ -806,14 +957,32 @@ def render_markdown(data: dict[str, Any]) -> str:
         ),
         "",
         "Driven by `<Trainer>.train()` for one step, its `_build_model` handing over the in-memory pipeline "
-        f"(no checkpoint written). Peak memory: {source}, over the step; the plan is `glm_training.plan`'s "
+        "(no checkpoint written); the DiT's prior tokens are seeded random codebook ids, as a prior cache "
+        f"hands them over. Peak memory: {source}, over the step; the plan is `glm_training.plan`'s "
         "prediction for the same config. DiT update FLOPs: 4 N T per policy forward (+2 N T per reference "
         "forward), N = the DiT's linear weights, T = latent tokens: a lower bound (no attention scores, no "
         "checkpointing recompute). MFU against the data sheet's dense bf16 peak.",
         "",
-        "#### Seed checks",
+        "#### AR decoding: `decode_first_tokens`, image tokens/s over a fixed number of steps",
         "",
-        *_table("seed | check | result | message", checks),
+        *_table(
+            "size | decoding | batch: | steps: | prefill (s): | step (ms): | tokens/s: | "
+            "roofline tokens/s: | ratio: | compile (s): | peak (GiB):",
+            decoding,
+        ),
+        "",
+        "tokens/s = batch x (steps - 1) / (time of `steps` draws - time of the prefill's one draw). "
+        "Roofline: batch x bandwidth / the bytes a decoding step reads (the text model's weights once, the "
+        "batch's embedding rows, the KV cache: the loop's whole preallocated cache, generate()'s at the mean "
+        "context).",
+        "",
+        "#### Text to image: the project's decoding loop, then `pipe(prompt=..., prior_token_ids=...)`",
+        "",
+        *_table(
+            "size | decoding | AR tokens: | AR (s): | DiT steps: | DiT + VAE (s): | total (s): | "
+            "peak (GiB): | finite",
+            pipeline,
+        ),
     ]
     if data["errors"]:
         errors = [
@@ -821,6 +990,9 @@ def render_markdown(data: dict[str, Any]) -> str:
         ]
         lines += ["", "#### Stage errors", "", *_table("stage | error", errors)]
     return "\n".join(lines) + "\n"
+
+
+SECTIONS = ("seeds", "dit", "ar", "decoding", "pipeline")  # in order of value; the environment always runs
 
 
 def parse_settings(argv: list[str] | None) -> Settings:
@@ -838,28 +1010,54 @@ def parse_settings(argv: list[str] | None) -> Settings:
         "--output",
         type=Path,
         default=Path("outputs/gpu_check"),
-        help="folder for gpu_check.json and gpu_check.md (default: outputs/gpu_check)",
+        help="folder for gpu_check.jsonl, gpu_check.json and gpu_check.md (default: outputs/gpu_check)",
     )
-    add("--sizes", type=int, nargs="+", help="image sizes to time (default 1024 512; --toy: 64)")
-    add("--batch-sizes", type=int, nargs="+", help="AR rollout batch sizes (default 1 4 16; --toy: 1 2)")
+    add(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        help=f"what to run, always in this order (default: every one, {' '.join(SECTIONS)})",
+    )
+    add("--sizes", type=int, nargs="+", help="text-to-image sizes (default 1024; --toy: 64)")
+    add("--batch-sizes", type=int, nargs="+", help="AR decoding batch sizes (default 1 16; --toy: 1 2)")
     add(
         "--decoding",
         nargs="+",
         choices=DECODING_PATHS,
         help=f"AR decoding paths to time (default: every one, {' '.join(DECODING_PATHS)})",
     )
-    add("--num-inference-steps", type=int, help="DiT steps of the pipeline call (default 50; --toy: 2)")
+    add("--decode-steps", type=int, help="decoding steps timed per path and batch (default 128; --toy: 8)")
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="also time the loop's compiled step, and use it for the text-to-image call (default: on CUDA)",
+    )
+    add("--num-inference-steps", type=int, help="DiT steps of the text-to-image call (default 50; --toy: 2)")
     add("--train-size", type=int, help="image size of the training steps (default 1024; --toy: 64)")
+    for half in ("dit", "ar"):
+        add(
+            f"--{half}-overrides",
+            nargs="+",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"config overrides of the {half} training step, after the check's own "
+            + ("(e.g. sampling.compile=true)" if half == "ar" else "(e.g. sampling.micro_batch_size=1)"),
+        )
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         if not torch.cuda.is_available():
             parser.error("--device cuda, but torch sees no CUDA device; on a CPU run --device cpu --toy.")
         device = torch.device("cuda", torch.cuda.current_device())
-    sizes = tuple(args.sizes or ((64,) if args.toy else (1024, 512)))
+    sizes = tuple(args.sizes or ((64,) if args.toy else (1024,)))
     train_size = args.train_size or (64 if args.toy else 1024)
     if any(size % 32 for size in (*sizes, train_size)):
         parser.error(f"sizes must be multiples of 32 (GLM-Image's token grid), got {sizes} and {train_size}.")
+    decode_steps = args.decode_steps or (8 if args.toy else 128)
+    if decode_steps < 2:
+        parser.error(
+            f"--decode-steps must be at least 2 (one step beyond the prefill's draw), got {decode_steps}."
+        )
     if device.type == "cpu" and not args.toy:
         logger.warning("[gpu_check] the real depth on the CPU needs ~40 GB of RAM and hours; add --toy.")
     real = dict(
@@ -872,11 +1070,15 @@ def parse_settings(argv: list[str] | None) -> Settings:
         device=device,
         dtype=torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32,
         toy=args.toy,
+        sections=tuple(name for name in SECTIONS if name in (args.sections or SECTIONS)),
         sizes=sizes,
-        batch_sizes=tuple(args.batch_sizes or ((1, 2) if args.toy else (1, 4, 16))),
+        batch_sizes=tuple(args.batch_sizes or ((1, 2) if args.toy else (1, 16))),
         decoding_paths=tuple(args.decoding or DECODING_PATHS),
+        decode_steps=decode_steps,
+        compile=device.type == "cuda" if args.compile is None else args.compile,
         num_inference_steps=args.num_inference_steps or (2 if args.toy else 50),
         train_size=train_size,
+        overrides={"dit": args.dit_overrides, "ar": args.ar_overrides},
         output=args.output,
         layers={name: 1 for name in real} if args.toy else real,
     )
@@ -896,80 +1098,100 @@ def main(argv: list[str] | None = None) -> int:
         "toy": s.toy,
         "dtype": dtype,
         "layers": s.layers,
+        "sections": s.sections,
         "sizes": s.sizes,
         "batch_sizes": s.batch_sizes,
+        "decoding_paths": s.decoding_paths,
+        "decode_steps": s.decode_steps,
+        "compile": s.compile,
         "num_inference_steps": s.num_inference_steps,
         "train_size": s.train_size,
-        "decoding_paths": s.decoding_paths,
+        "overrides": s.overrides,
         "model": f"GLM-Image widths, {depth} ({layers}), random weights, {dtype}",
     }
-    report.data["environment"] = environment(s.device)
-    with report.stage("measure memory bandwidth and matmul throughput"):
-        report.data["bandwidth"] = measure_bandwidth(s.device)
-        report.data["matmul"] = measure_matmul(s.device, s.dtype)
+    with report.stage("environment, memory bandwidth and matmul throughput", "environment") as out:
+        out["environment"] = report.data["environment"] = environment(s.device)
+        out["run"] = report.data["run"]
+        out["bandwidth"] = report.data["bandwidth"] = measure_bandwidth(s.device)
+        out["matmul"] = report.data["matmul"] = measure_matmul(s.device, s.dtype)
     bandwidth = (report.data.get("bandwidth") or {}).get("bytes_per_s")
     matmul = (report.data.get("matmul") or {}).get("flops_per_s")
     spec = spec_peak_flops(report.data["environment"]["device_name"]) if s.device.type == "cuda" else None
-    try:
-        with report.stage(f"build the model on {s.device} ({depth})", fatal=True), measured(s.device) as m:
-            pipe = build_pipeline(s)
-            report.data["build"] = {
-                "params": {
-                    n: _numel(getattr(pipe, n))
-                    for n in ("vision_language_encoder", "transformer", "text_encoder", "vae")
-                },
-                "ar_logits": ar_logits_check(pipe, s.device),
-            }
-            if not report.data["build"]["ar_logits"]["finite"]:
-                raise FloatingPointError("the AR model's logits are not finite after initialisation")
-        report.data["build"].update(m)
-    except Exception:
-        return 1
-    for size in s.sizes:
-        with report.stage(f"pipeline call {size}x{size}, {s.num_inference_steps} steps"):
-            report.data["pipeline"].append(time_pipeline(pipe, size, s.num_inference_steps, s.device))
-            if not report.data["pipeline"][-1]["finite"]:
-                raise FloatingPointError(f"the pipeline's {size}x{size} image holds NaN or inf pixels")
-    if not s.toy:  # first calls compile kernels and allocate caches; the figures are of the steady state
-        with report.stage("AR warm-up (each decoding path once, 64x64)"):
-            from glm_training.rollout.ar import SamplingParams, sample_image_tokens
+    if "seeds" in s.sections:
+        with (
+            report.stage("seed checks (tiny GLM-Image)", "seeds") as out,
+            tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp,
+        ):
+            from glm_training.models.tiny import save_tiny_pipeline
 
-            for decoding in s.decoding_paths:
-                sample_image_tokens(
-                    pipe, [PROMPT], 64, 64, SamplingParams.from_pipeline(pipe), 0, decoding=decoding
-                )
-    for decoding in s.decoding_paths:
-        for size in s.sizes:
-            for batch in s.batch_sizes:
-                with report.stage(f"AR rollout decoding={decoding} {size}x{size} batch {batch}"):
-                    report.data["ar_rollout"].append(
-                        time_ar_rollout(pipe, decoding, size, batch, bandwidth, s.device)
-                    )
-    if s.device.type == "cuda":  # the loop's step compiled (CUDA graphs): one shape, compiling costs minutes
-        size, batch = s.sizes[-1], max(s.batch_sizes)
-        with report.stage(f"AR rollout decoding=loop+compile {size}x{size} batch {batch} (compiles first)"):
-            time_ar_rollout(pipe, "loop", size, batch, bandwidth, s.device, compile=True)  # compiles
-            report.data["ar_rollout"].append(
-                time_ar_rollout(pipe, "loop", size, batch, bandwidth, s.device, compile=True)
-            )
-    with (
-        report.stage("seed checks (tiny GLM-Image)"),
-        tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp,
-    ):
-        from glm_training.models.tiny import save_tiny_pipeline
-
-        report.data["checks"] = run_checks(s, save_tiny_pipeline(Path(tmp) / "tiny"))
+            out["checks"] = report.data["checks"] = run_checks(s, save_tiny_pipeline(Path(tmp) / "tiny"))
+    if set(s.sections) - {"seeds"}:
+        try:
+            with report.stage(f"build the model on {s.device} ({depth})", "build", fatal=True) as out:
+                with measured(s.device) as m:
+                    pipe = build_pipeline(s)
+                    out["params"] = {
+                        n: _numel(getattr(pipe, n))
+                        for n in ("vision_language_encoder", "transformer", "text_encoder", "vae")
+                    }
+                    out["ar_logits"] = ar_logits_check(pipe, s.device)
+                out.update(m)
+                report.data["build"] = out
+                if not out["ar_logits"]["finite"]:
+                    raise FloatingPointError("the AR model's logits are not finite after initialisation")
+        except Exception:
+            return 1
     for component in ("dit", "ar"):
-        with report.stage(f"{component} LoRA training step {s.train_size}x{s.train_size}"):
-            report.data["training"][component] = train_step(component, pipe, s, matmul, spec)
+        if component in s.sections:
+            name = f"{component} LoRA training step {s.train_size}x{s.train_size}"
+            with report.stage(name, component) as out:
+                out.update(train_step(component, pipe, s, matmul, spec))
+                report.data["training"][component] = out
+    if "decoding" in s.sections:
+        run_decoding(report, pipe, bandwidth)
+    if "pipeline" in s.sections:
+        # The compiled step only where it compiled above (or was not tried).
+        failed = any("+compile" in e["stage"] for e in report.data["errors"])
+        for size in s.sizes:
+            name = f"text to image {size}x{size}, {s.num_inference_steps} DiT steps"
+            with report.stage(name, "pipeline") as out:
+                compile = s.compile and not failed
+                out.update(time_text_to_image(pipe, size, s.num_inference_steps, s.device, compile))
+                report.data["pipeline"].append(out)
+                if not out["finite"]:
+                    raise FloatingPointError(f"the {size}x{size} image holds NaN or inf pixels")
     report.write()
     logger.info(
-        "[gpu_check] %s; wrote %s and %s",
+        "[gpu_check] %s; wrote %s, %s and %s",
         "PASSED" if report.passed else "FAILED",
+        report.lines,
         s.output / "gpu_check.json",
         s.output / "gpu_check.md",
     )
     return 0 if report.passed else 1
+
+
+def run_decoding(report: Report, pipe, bandwidth: float | None) -> None:
+    """Every decoding path at every batch size, eager; then, with `--compile`, the loop's compiled step
+    (the largest batch first: compiling costs a minute or more a shape)."""
+    s = report.settings
+    size = s.sizes[0]
+    with report.stage("AR decoding warm-up (each path, batch 1, 2 steps)", "decoding"):
+        from glm_training.rollout.ar import SamplingParams, decode_first_tokens
+
+        for decoding in s.decoding_paths:
+            params = SamplingParams.from_pipeline(pipe)
+            decode_first_tokens(pipe, [PROMPT], size, size, params, 0, 2, decoding=decoding)
+    runs = [(decoding, False, batch) for decoding in s.decoding_paths for batch in s.batch_sizes]
+    if s.compile:
+        runs += [("loop", True, batch) for batch in sorted(s.batch_sizes, reverse=True)]
+    for decoding, compile, batch in runs:
+        label = f"{decoding}+compile" if compile else decoding
+        with report.stage(f"AR decoding {label} {size}x{size} batch {batch}", "decoding") as out:
+            out.update(
+                time_decoding(pipe, decoding, compile, size, batch, s.decode_steps, bandwidth, s.device)
+            )
+            report.data["decoding"].append(out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from glm_training.rollout.ar import (
     HF_DEFAULT_TOP_K,
     HF_DEFAULT_TOP_P,
     SamplingParams,
+    decode_first_tokens,
     generation_speed_kwargs,
     image_token_positions,
     process_logits,
@@ -430,6 +431,19 @@ def test_the_decoding_loop_is_generates_rollout(samples, generated):
     _assert_same_rollout(samples, generated)
 
 
+@pytest.mark.parametrize("decoding", DECODING_PATHS)
+def test_the_first_decoding_steps_are_the_rollouts_first_tokens(pipeline, samples, decoding):
+    # What gpu_check times over a fixed number of steps: the same draws as the whole rollout's first ones.
+    params = SamplingParams.from_pipeline(pipeline)
+    first = decode_first_tokens(
+        pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, num_steps=5, decoding=decoding
+    )
+    start = num_prompt_tokens(samples)
+    assert torch.equal(first, samples.input_ids[:, start : start + 5])
+    with pytest.raises(ValueError, match="num_steps must be in"):
+        decode_first_tokens(pipeline, PROMPTS, HEIGHT, WIDTH, params, seed=0, num_steps=261)
+
+
 # (prompts, height, width, sampling settings, seed): batch sizes 1 to 8 with left padding, three grid shapes,
 # the filters alone and together.
 DECODING_CASES = [
@@ -456,16 +470,20 @@ def test_the_decoding_loop_draws_generates_tokens(pipeline, prompts, height, wid
     torch.testing.assert_close(log_probs[mask], rollouts["loop"].sampling_log_probs[mask], rtol=0, atol=1e-5)
 
 
-def test_the_loop_equals_generate_with_a_static_cache_bit_for_bit(pipeline):
-    # One prompt (no padding, so no position shift): both attend over the same preallocated cache, and the
-    # log-probs are equal to the bit.
+def test_the_loop_equals_generate_with_a_static_cache(pipeline):
+    # One prompt (no padding, so no position shift): both attend over a preallocated cache of the same length
+    # and draw the same tokens. The log-probs are not compared bit for bit: the two are different code paths
+    # into the model (the loop hands it a prepared boolean mask over the whole cache; generate() has the model
+    # build its mask each step), and the attention kernel a CPU picks for each can sum in another order (an
+    # AMD EPYC does: 4.8e-7 apart there). The bound is the decoding loop's requirement, 1e-6: a few float32
+    # ulps at these log-probs' magnitudes (|log p| up to ~10).
     params = SamplingParams.from_pipeline(pipeline)
     loop = sample_image_tokens(pipeline, PROMPTS[:1], HEIGHT, WIDTH, params, seed=4)
     static = sample_image_tokens(
         pipeline, PROMPTS[:1], HEIGHT, WIDTH, params, seed=4, decoding="generate", static_cache=True
     )
     assert torch.equal(loop.input_ids, static.input_ids)
-    assert torch.equal(loop.sampling_log_probs, static.sampling_log_probs)
+    torch.testing.assert_close(loop.sampling_log_probs, static.sampling_log_probs, rtol=0, atol=1e-6)
 
 
 def test_image_token_positions_are_the_models_decode_layout(pipeline, generated):

@@ -1,4 +1,5 @@
-"""`python -m glm_training.gpu_check --toy` on the CPU: every stage runs and lands in both reports.
+"""`python -m glm_training.gpu_check --toy` on the CPU: every stage runs and lands in the reports, and a run
+killed part way keeps the stages it finished.
 
 The toy keeps GLM-Image's real widths with one layer per stack, so this also proves that the meta-device
 build, the roofline arithmetic and the in-memory trainers work at real sizes; the figures themselves are
@@ -10,6 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -24,14 +29,17 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+def _lines(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "gpu_check.jsonl").read_text().splitlines()]
+
+
 def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
     # Real widths: AR decoding reads ~0.5 GB of weights a token, and two threads halve the time of one (the
     # suite's default, conftest.py).
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        # One batch size and one decoding path: each real-width rollout takes ~8 s on 2 cores (the paths give
-        # the same tokens: tests/test_ar_logprobs.py).
+        # One batch size and one decoding path (the paths give the same tokens: tests/test_ar_logprobs.py).
         argv = [
             "--device",
             "cpu",
@@ -47,6 +55,13 @@ def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
     finally:
         torch.set_num_threads(threads)
 
+    # One line a stage, in the order of value, each complete JSON written when its stage ended.
+    lines = _lines(tmp_path)
+    sections = [line["section"] for line in lines]
+    assert sections == ["environment", "seeds", "build", "dit", "ar", "decoding", "decoding", "pipeline"]
+    assert all(line["ok"] and _positive(line["seconds"]) for line in lines)
+    assert [line["wall_seconds"] for line in lines] == sorted(line["wall_seconds"] for line in lines)
+
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["passed"] and report["errors"] == []
     env = report["environment"]
@@ -54,21 +69,11 @@ def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
     assert _positive(report["bandwidth"]["bytes_per_s"]) and _positive(report["matmul"]["flops_per_s"])
     build = report["build"]
     assert build["ar_logits"]["finite"] and _positive(build["params"]["vision_language_encoder"])
-    assert all(stage["ok"] and _positive(stage["seconds"]) for stage in report["stages"])
+    assert lines[2]["result"]["params"] == build["params"]
 
-    (call,) = report["pipeline"]  # 64x64 only
-    assert (call["height"], call["width"]) == (64, 64) and call["finite"]
-    assert _positive(call["seconds"]) and _positive(call["peak_memory_gib"])
-
-    rollouts = {(r["decoding"], r["batch"]): r for r in report["ar_rollout"]}
-    assert set(rollouts) == {("loop", 1)} and report["run"]["decoding_paths"] == ["loop"]
-    # Without --decoding, every path the project has is timed.
-    assert gpu_check.parse_settings(["--device", "cpu", "--toy"]).decoding_paths == tuple(DECODING_PATHS)
-    for (_, batch), r in rollouts.items():
-        # 64x64: the 16x16 preview grid and the 2x2 large grid, per sample.
-        assert r["tokens"] == batch * (256 + 4)
-        assert all(_positive(r[k]) for k in ("seconds", "tokens_per_s", "roofline_tokens_per_s", "ratio"))
-        assert r["bytes_per_step"]["total"] > r["bytes_per_step"]["weights"] > 0
+    assert [c["seed"] for c in report["checks"]] == ["000", "001", "002", "003"]
+    assert all(c["passed"] for c in report["checks"]), report["checks"]
+    assert lines[1]["result"]["checks"] == report["checks"]
 
     for component in ("dit", "ar"):
         step = report["training"][component]
@@ -78,13 +83,73 @@ def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
         assert _positive(step["plan_peak_gib"]) and _positive(step["trainable_params"])
     assert _positive(report["training"]["dit"]["update_flops"])
 
-    assert [c["seed"] for c in report["checks"]] == ["000", "001", "002", "003"]
-    assert all(c["passed"] for c in report["checks"]), report["checks"]
+    (rollout,) = report["decoding"]  # the eager loop at batch 1; --compile is off by default on a CPU
+    assert (rollout["decoding"], rollout["batch"], rollout["num_steps"]) == ("loop", 1, 8)
+    assert report["run"]["decoding_paths"] == ["loop"] and report["run"]["compile"] is False
+    assert all(_positive(rollout[k]) for k in ("step_ms", "tokens_per_s", "roofline_tokens_per_s", "ratio"))
+    assert rollout["bytes_per_step"]["total"] > rollout["bytes_per_step"]["weights"] > 0
+
+    (call,) = report["pipeline"]  # 64x64 only
+    assert (call["height"], call["width"], call["decoding"]) == (64, 64, "loop") and call["finite"]
+    # 64x64: the 16x16 preview grid, the 2x2 large grid and the closing token.
+    assert call["ar_tokens"] == 256 + 4 + 1
+    assert all(_positive(call[k]) for k in ("ar_seconds", "dit_seconds", "peak_memory_gib"))
 
     markdown = (tmp_path / "gpu_check.md").read_text()
-    for heading in ("Text to image", "AR rollout", "One LoRA training step", "Seed checks"):
+    for heading in ("Targets", "Seed checks", "One LoRA training step", "AR decoding", "Text to image"):
         assert f"#### {heading}" in markdown
     assert "Stage errors" not in markdown
-    rows = [line for line in markdown.splitlines() if line.startswith("| 64x64 |")]
-    assert len(rows) == 1 + len(rollouts)  # the pipeline call and every rollout
     assert markdown.count("| pass |") == 4
+    assert "step peak within 15% of the plan" in markdown  # the targets measured so far
+    rows = [line for line in markdown.splitlines() if line.startswith("| 64x64 |")]
+    assert len(rows) == 2  # the decoding row and the text-to-image call
+
+
+def test_defaults_and_settings_errors():
+    real = gpu_check.parse_settings(["--device", "cpu"])
+    assert (real.sizes, real.batch_sizes, real.decode_steps, real.train_size) == ((1024,), (1, 16), 128, 1024)
+    assert real.sections == gpu_check.SECTIONS and real.decoding_paths == tuple(DECODING_PATHS)
+    assert real.compile is False  # on by default on CUDA only
+    picked = gpu_check.parse_settings(["--device", "cpu", "--sections", "pipeline", "seeds", "--compile"])
+    assert picked.sections == ("seeds", "pipeline") and picked.compile  # always in the order of value
+    for argv in (["--sizes", "100"], ["--decode-steps", "1"], ["--sections", "everything"]):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_settings(["--device", "cpu", "--toy", *argv])
+
+
+# A run stopped at its time limit, as SIGKILL stops it: here deterministically, at the start of the stage
+# after the seed checks (the build), instead of after some number of seconds.
+KILLED_IN_THE_BUILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from glm_training import gpu_check
+
+    def killed(settings):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    gpu_check.build_pipeline = killed
+    sys.exit(gpu_check.main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_run_killed_part_way_keeps_the_stages_it_finished(tmp_path):
+    argv = ["--device", "cpu", "--toy", "--sections", "seeds", "dit", "--output", str(tmp_path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_THE_BUILD, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert "build the model" in proc.stderr  # it was killed in the stage after the seed checks
+    lines = _lines(tmp_path)
+    assert [line["section"] for line in lines] == ["environment", "seeds"]
+    assert lines[0]["result"]["environment"]["device"] == "cpu"
+    assert [c["seed"] for c in lines[1]["result"]["checks"]] == ["000", "001", "002", "003"]
+    assert all(c["passed"] for c in lines[1]["result"]["checks"])
+    # The summary files hold the same finished stages.
+    assert len(json.loads((tmp_path / "gpu_check.json").read_text())["checks"]) == 4
+    assert (tmp_path / "gpu_check.md").read_text().count("| pass |") == 4

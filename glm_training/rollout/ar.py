@@ -355,49 +355,25 @@ def sample_image_tokens(
     bit on CPU in float32) and record the same log-probs up to float rounding (tests/test_ar_logprobs.py).
     """
     _check_decoding(decoding, static_cache, compile)
-    if height % 32 or width % 32:
-        raise ValueError(f"height and width must be multiples of 32, got {height}x{width}.")
-    if not prompts:
-        raise ValueError("prompts is empty.")
-    model = pipeline.vision_language_encoder
-    _check_generation_config(model)
-    device = _module_device(model)
-
-    inputs = chat_inputs(pipeline, prompts, height, width)
-    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
-    batch_size, num_prompt_tokens = prompt_ids.shape
-    if not bool(prompt_mask[:, -1].all()):
-        raise ValueError(
-            "The AR tokenizer pads on the right; generated tokens would not start at a common position. "
-            "Set `pipeline.processor.tokenizer.padding_side = 'left'`."
-        )
-
-    # Per-sample target grids as the processor lists them: the large (H/32 x W/32) grid first, then the
-    # preview. Decoding writes them in reverse order (preview first), then one extra token.
-    image_grid_thw = inputs["image_grid_thw"]
-    num_grids = image_grid_thw.shape[0] // batch_size
-    grid_sizes = [int(h * w) for _, h, w in image_grid_thw[:num_grids].tolist()]
-    large_h, large_w = (int(x) for x in image_grid_thw[0, 1:])
-    if (large_h, large_w) != (height // 32, width // 32):
-        grids = image_grid_thw[:num_grids].tolist()
-        raise RuntimeError(f"Unexpected target grids {grids} for {height}x{width}.")
+    inputs, grid_sizes = _rollout_inputs(pipeline, prompts, height, width)
+    prompt_mask = inputs["attention_mask"]
+    batch_size, num_prompt_tokens = prompt_mask.shape
+    large_h, large_w = height // 32, width // 32
     num_grid_tokens = sum(grid_sizes)
     large_offset = num_grid_tokens - grid_sizes[0]
     max_new_tokens = num_grid_tokens + 1
     total_length = num_prompt_tokens + max_new_tokens
-
-    device_inputs = {key: value.to(device) for key, value in inputs.items()}
-    fork_devices = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(devices=fork_devices, device_type=device.type if fork_devices else "cuda"):
-        torch.manual_seed(seed)
-        if decoding == "loop":
-            sequences, position_ids, step_log_probs = _decode_loop(
-                model, device_inputs, max_new_tokens, num_grid_tokens, params, compile
-            )
-        else:
-            sequences, position_ids, step_log_probs = _decode_with_generate(
-                model, device_inputs, max_new_tokens, num_grid_tokens, params, static_cache
-            )
+    sequences, position_ids, step_log_probs = _decode(
+        pipeline.vision_language_encoder,
+        inputs,
+        max_new_tokens,
+        num_grid_tokens,
+        params,
+        seed,
+        decoding,
+        static_cache,
+        compile,
+    )
     if position_ids.shape != (3, batch_size, total_length):
         raise RuntimeError(
             f"Positions of shape {tuple(position_ids.shape)}, expected {(3, batch_size, total_length)}; "
@@ -429,9 +405,96 @@ def sample_image_tokens(
         completion_mask=completion_mask,
         sampling_log_probs=sampling_log_probs,
         prior_token_ids=_upsample_grid_2x(large_grid, large_h, large_w),
-        image_grid_thw=image_grid_thw,
+        image_grid_thw=inputs["image_grid_thw"],
         extra=extra,
     )
+
+
+def _rollout_inputs(
+    pipeline, prompts: list[str], height: int, width: int
+) -> tuple[dict[str, Tensor], list[int]]:
+    """A text-to-image rollout's AR inputs (CPU) and its target grids' token counts, large grid first.
+
+    Decoding writes the grids in reverse order (preview first), then one extra token.
+    """
+    if height % 32 or width % 32:
+        raise ValueError(f"height and width must be multiples of 32, got {height}x{width}.")
+    if not prompts:
+        raise ValueError("prompts is empty.")
+    _check_generation_config(pipeline.vision_language_encoder)
+    inputs = chat_inputs(pipeline, prompts, height, width)
+    if not bool(inputs["attention_mask"][:, -1].all()):
+        raise ValueError(
+            "The AR tokenizer pads on the right; generated tokens would not start at a common position. "
+            "Set `pipeline.processor.tokenizer.padding_side = 'left'`."
+        )
+    image_grid_thw = inputs["image_grid_thw"]
+    num_grids = image_grid_thw.shape[0] // len(prompts)
+    grids = image_grid_thw[:num_grids].tolist()
+    if tuple(grids[0][1:]) != (height // 32, width // 32):
+        raise RuntimeError(f"Unexpected target grids {grids} for {height}x{width}.")
+    return inputs, [int(h * w) for _, h, w in grids]
+
+
+def _decode(
+    model,
+    inputs: dict[str, Tensor],
+    max_new_tokens: int,
+    num_grid_tokens: int,
+    params: SamplingParams,
+    seed: int,
+    decoding: str,
+    static_cache: bool,
+    compile: bool,
+    stop_after: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Seeded decoding on the model's device by `decoding`'s path: (sequences, positions, log-probs), CPU."""
+    device = _module_device(model)
+    device_inputs = {key: value.to(device) for key, value in inputs.items()}
+    fork_devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=fork_devices, device_type=device.type if fork_devices else "cuda"):
+        torch.manual_seed(seed)
+        if decoding == "loop":
+            return _decode_loop(
+                model, device_inputs, max_new_tokens, num_grid_tokens, params, compile, stop_after
+            )
+        return _decode_with_generate(
+            model, device_inputs, max_new_tokens, num_grid_tokens, params, static_cache
+        )
+
+
+@torch.no_grad()
+def decode_first_tokens(
+    pipeline,
+    prompts: list[str],
+    height: int,
+    width: int,
+    params: SamplingParams,
+    seed: int,
+    num_steps: int,
+    decoding: str = "loop",
+    compile: bool = False,
+) -> Tensor:
+    """The first `num_steps` image tokens [B, num_steps] (CPU) of `sample_image_tokens`' rollout.
+
+    The same draws as the whole rollout's first `num_steps` (tests/test_ar_logprobs.py), for timing decoding
+    over a fixed number of steps. The loop keeps the whole rollout's KV cache (the same step, and with
+    `compile` the same graph, as a whole image at this batch and size) and stops after `num_steps` draws;
+    generate() is asked for `num_steps` new tokens.
+    """
+    _check_decoding(decoding, False, compile)
+    inputs, grid_sizes = _rollout_inputs(pipeline, prompts, height, width)
+    num_grid_tokens = sum(grid_sizes)
+    if not 0 < num_steps <= num_grid_tokens:
+        raise ValueError(f"num_steps must be in [1, {num_grid_tokens}] at {height}x{width}, got {num_steps}.")
+    model = pipeline.vision_language_encoder
+    if decoding == "loop":
+        lengths, stop_after = (num_grid_tokens + 1, num_grid_tokens), num_steps
+    else:
+        lengths, stop_after = (num_steps, num_steps), None
+    sequences, _, _ = _decode(model, inputs, *lengths, params, seed, decoding, False, compile, stop_after)
+    num_prompt_tokens = inputs["input_ids"].shape[1]
+    return sequences[:, num_prompt_tokens : num_prompt_tokens + num_steps]
 
 
 def _decode_with_generate(
@@ -514,7 +577,13 @@ def image_token_positions(prompt_positions: Tensor, prompt_mask: Tensor, grids_t
 
 
 def _decode_loop(
-    model, inputs: dict[str, Tensor], max_new_tokens: int, num_grid_tokens: int, params, compile: bool
+    model,
+    inputs: dict[str, Tensor],
+    max_new_tokens: int,
+    num_grid_tokens: int,
+    params,
+    compile: bool,
+    stop_after: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The project's decoding loop: (sequences [B, L], positions [3, B, L], log-probs [B, grid tokens]), CPU.
 
@@ -525,7 +594,8 @@ def _decode_loop(
     one per step, so the RNG stream is the same) and keeps only the drawn token's log-prob. The last token is
     drawn but never fed back, as in generate(). Every step's inputs are fixed-shape buffers updated in place,
     so that `compile` can capture the decoding step as one graph (torch.compile; "reduce-overhead", i.e. CUDA
-    graphs, on CUDA); sampling stays eager so that the draws are generate()'s.
+    graphs, on CUDA); sampling stays eager so that the draws are generate()'s. `stop_after` ends the loop
+    after that many draws (the later columns stay 0): `decode_first_tokens`.
     """
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     device = input_ids.device
@@ -581,6 +651,7 @@ def _decode_loop(
         return out.logits[:, -1].to(dtype=torch.float32, copy=True)
 
     step_fn = _compiled_step(decode_step, device) if compile else decode_step
+    last_step = max_new_tokens - 1 if stop_after is None else stop_after - 1
     for step in range(max_new_tokens):
         filtered = _filtered_logits(logits, params)
         tokens = torch.multinomial(torch.softmax(filtered, dim=-1), num_samples=1)
@@ -588,7 +659,7 @@ def _decode_loop(
         sequences[:, column] = tokens[:, 0]
         if step < num_grid_tokens:
             log_probs[:, step] = torch.log_softmax(filtered, dim=-1).gather(-1, tokens)[:, 0]
-        if step == max_new_tokens - 1:
+        if step == last_step:
             break
         step_ids.copy_(tokens)
         step_positions.copy_(positions[:, :, column : column + 1])
