@@ -165,6 +165,11 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
     A checkpoint whose files fail their recorded hashes is refused (`CheckpointError` naming the file); with
     `"latest"` the next older one is tried, with a warning for each one passed over.
     """
+    return find_resume(resume, output_dir)[0]
+
+
+def find_resume(resume: str, output_dir: Path) -> tuple[Path, list[Path]]:
+    """`resolve_resume`'s checkpoint, and the damaged ones newer than it that `"latest"` passed over."""
     if resume == "latest":
         found = list_checkpoints(output_dir)
         if not found:
@@ -172,13 +177,14 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
                 f"trainer.resume=latest but '{output_dir}/checkpoints' holds no complete checkpoint; set "
                 "trainer.output_dir to the run to continue, or drop trainer.resume to start afresh."
             )
-        problems = []
+        problems, damaged = [], []
         for path in reversed(found):
             problem = verify_checkpoint(path)
             if problem is None:
-                return path
+                return path, damaged
             logger.warning("skipping checkpoint %s: %s", path, problem)
             problems.append(f"{path.name}: {problem}")
+            damaged.append(path)
         raise CheckpointError(
             f"trainer.resume=latest: no intact checkpoint in '{output_dir}/checkpoints' "
             f"({'; '.join(problems)}); restore the files from a copy, or drop trainer.resume to start afresh."
@@ -195,7 +201,26 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
             f"trainer.resume='{resume}': {problem}; restore it from a copy, or resume from another "
             "checkpoint (trainer.resume=latest skips damaged ones)."
         )
-    return path
+    return path, []
+
+
+def set_aside(checkpoint: Path) -> Path:
+    """Rename a damaged checkpoint to `<name>.damaged` (`.damaged-2`, ... if taken) and log it: kept for
+    inspection, never deleted, and no longer a checkpoint (`list_checkpoints`), so that a run resumed from
+    an older one writes that step again."""
+    target = checkpoint.with_name(f"{checkpoint.name}.damaged")
+    n = 1
+    while target.exists():
+        n += 1
+        target = checkpoint.with_name(f"{checkpoint.name}.damaged-{n}")
+    checkpoint.rename(target)
+    logger.warning("set the damaged checkpoint %s aside as %s (kept, not deleted)", checkpoint, target.name)
+    return target
+
+
+def later_checkpoints(output_dir: Path, step: int) -> list[Path]:
+    """The complete checkpoints in `output_dir` past `step`: a run resumed at `step` writes those again."""
+    return [p for p in list_checkpoints(output_dir) if read_checkpoint_state(p)["step"] > step]
 
 
 def file_sha256(path: Path) -> str:
@@ -432,7 +457,11 @@ def save_checkpoint(
     stepped = bool(optimizer.state)  # before the first optimizer step there is no state
     if is_main:
         if final.exists():
-            raise CheckpointError(f"refusing to overwrite the existing checkpoint {final}.")
+            raise CheckpointError(
+                f"refusing to overwrite the existing checkpoint {final} (checkpoints are never overwritten); "
+                "continue from it with trainer.resume=latest, or move it aside, or write this run to a new "
+                "trainer.output_dir."
+            )
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()

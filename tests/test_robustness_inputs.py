@@ -201,9 +201,25 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_latest_falls_back(
     assert resolve_resume("latest", out) == out / "checkpoints" / "step-000001"
 
     # The entry point: an explicit damaged checkpoint exits 2 naming the file; latest resumes from step 1.
-    base = [*DIT_SMALL, "trainer.num_steps=3", f"trainer.output_dir={out}"]
+    base = [*DIT_SMALL, "trainer.num_steps=3", "trainer.save_every=1", f"trainer.output_dir={out}"]
     assert run(DiTTrainer, "t2i_training", [*base, f"trainer.resume={newest}"]) == 2
     if damage == "flip a byte":
+        # It trains past the damaged step to the end, writing that step's checkpoint again; the damaged
+        # folder is set aside, not deleted.
         assert run(DiTTrainer, "t2i_training", [*base, "trainer.resume=latest"]) == 0
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2, 3]  # step 2 was redone from the step-1 checkpoint
+        checkpoints = out / "checkpoints"
+        assert sorted(p.name for p in checkpoints.iterdir()) == [
+            "step-000001",
+            "step-000002",
+            "step-000002.damaged",
+            "step-000003",
+        ]
+        assert verify_checkpoint(newest) is None and verify_checkpoint(checkpoints / "step-000003") is None
+        assert (checkpoints / "step-000002.damaged" / target.name).read_bytes() == bytes(data)
+        # An older checkpoint resumed into the run that holds later ones is refused before any step: the
+        # run would write them again.
+        older = [*base, f"trainer.resume={checkpoints / 'step-000001'}"]
+        assert run(DiTTrainer, "t2i_training", older) == 2
+        assert len((out / "metrics.jsonl").read_text().splitlines()) == 3

@@ -36,11 +36,14 @@ from glm_training.algorithms.advantages import (
 )
 from glm_training.checkpoint import (
     CheckpointError,
+    find_resume,
+    later_checkpoints,
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
-    resolve_resume,
+    read_checkpoint_state,
     save_checkpoint,
+    set_aside,
 )
 from glm_training.config import ConfigError, config_to_yaml
 from glm_training.data import Prompt, load_prompts, prompts_for_step
@@ -762,7 +765,7 @@ class RewardTrainer(ABC):
         choice: tuple[str, str] = ("", "")
         if self.is_main:
             try:
-                choice = (str(resolve_resume(resume, self.output_dir)), "")
+                choice = (str(self._resume_point(resume)), "")
             except CheckpointError as err:
                 choice = ("", str(err))
         path_str, error = dist.broadcast_object(choice)
@@ -783,6 +786,23 @@ class RewardTrainer(ABC):
         self.metrics.truncate_after(step)
         logger.info("resumed from %s at step %d", path, step)
         return step
+
+    def _resume_point(self, resume: str) -> Path:
+        """Rank 0: the checkpoint to resume from. The damaged ones `latest` passed over are set aside (so the
+        run writes their steps again); later intact ones in this run's folder, which the run would have to
+        overwrite, are refused before the first step."""
+        path, damaged = find_resume(resume, self.output_dir)
+        for checkpoint in damaged:
+            set_aside(checkpoint)
+        later = later_checkpoints(self.output_dir, read_checkpoint_state(path)["step"])
+        if later:
+            raise CheckpointError(
+                f"trainer.resume='{resume}' is {path.name}, but '{self.output_dir}' already holds the later "
+                f"checkpoints {[p.name for p in later]}, which this run would write again (checkpoints are "
+                "never overwritten); resume with trainer.resume=latest, or write this run to a new "
+                "trainer.output_dir."
+            )
+        return path
 
     def load_checkpoint_extras(self, path: Path) -> None:
         """Restore what `checkpoint_extras` saved, from the checkpoint folder every rank resumes from."""
