@@ -7,7 +7,8 @@ gets a `NullTracker`, which creates no files and imports neither backend. On the
   them with `tensorboard --logdir <output_dir>/tensorboard`.
 - W&B (`logging.wandb`, off by default; `pip install wandb`) logs to `wandb_project`/`wandb_entity` in
   `wandb_mode` "online", "offline" (files only; upload later with
-  `wandb sync <output_dir>/wandb/offline-run-*`) or "disabled". Its files go to `<output_dir>/wandb/`.
+  `wandb sync <output_dir>/wandb/offline-run-*`) or "disabled". Its files go to `<output_dir>/wandb/` and
+  are complete once `close()` returns: it finishes the run and stops wandb's service process.
 
 Resuming: the W&B run id is kept in `<output_dir>/wandb/run_id.txt` and the run is opened with
 `resume="allow"`, so a run continued in the same output directory (`trainer.resume=latest`) keeps logging into
@@ -234,8 +235,17 @@ class WandbTracker(Tracker):
         self._run.log({tag: media}, step=step)
 
     def _close(self, failed: bool) -> None:
-        # finish() flushes the run's history and files to disk (offline) or the server (online).
-        self._run.finish(exit_code=1 if failed else 0)
+        """Finish the run, then stop wandb's service process, which writes and closes the run's files.
+
+        finish() returns once the service has the run's last records (uploaded, online), but the service
+        writes the `.wandb` file out and closes it only afterwards, when it closes the run; teardown()
+        returns once the service process has exited, so the run's files are complete. A later run in this
+        process starts a new service.
+        """
+        try:
+            self._run.finish(exit_code=1 if failed else 0)
+        finally:
+            self._wandb.teardown()
 
 
 class MultiTracker(Tracker):

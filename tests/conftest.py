@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,13 @@ def run_cli(args: list[str], *, timeout: float = 300, env: dict | None = None) -
     return subprocess.run(
         args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process's children that have ended: what a command cost, which,
+    unlike its wall time, other load on the machine does not inflate."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def torchrun(

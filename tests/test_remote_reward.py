@@ -111,6 +111,7 @@ class CannedServer(ThreadingHTTPServer):
     def __init__(self, answers: list[tuple[int, bytes, float]]) -> None:
         self.answers = answers  # (status, body, seconds to wait first) per POST; the last one repeats
         self.num_posts = 0
+        self.posted = threading.Event()  # set once a POST has been counted
         self.release = threading.Event()  # set at teardown so sleeping handlers finish at once
         super().__init__(("127.0.0.1", 0), CannedHandler)
 
@@ -127,6 +128,7 @@ class CannedHandler(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers["Content-Length"]))
         index = self.server.num_posts
         self.server.num_posts += 1
+        self.server.posted.set()
         status, body, delay = self.server.answers[min(index, len(self.server.answers) - 1)]
         if delay:
             self.server.release.wait(delay)
@@ -286,16 +288,17 @@ def test_server_stopped_after_start_up_fails_on_score():
 
 
 def test_slow_server_times_out_with_a_clear_error():
-    with canned_server((200, b'{"version": 1, "scores": [1.0]}', 3.0)) as server:
+    # The server holds its answer until the test ends (the 60 s only bound a broken client): only the
+    # client's own 0.3 s timeout can end the call.
+    with canned_server((200, b'{"version": 1, "scores": [1.0]}', 60.0)) as server:
         client = RemoteReward(url_of(server), timeout_s=0.3, max_retries=1, backoff_s=0.05)
-        started = time.monotonic()
         with pytest.raises(RemoteRewardError) as info:
             client(*batch(1))
-        elapsed = time.monotonic() - started
+        # The client gave up without an answer, so the handler may not have counted the POST yet.
+        assert server.posted.wait(timeout=60)
         num_posts = server.num_posts
     # A scoring request that times out is not sent again: the server may still be working on it.
     assert num_posts == 1
-    assert elapsed < 1.5  # one 0.3 s wait, far below the 3 s the server sleeps
     message = str(info.value)
     assert "timed out after 0.3 s (timeout_s)" in message and "larger timeout_s" in message
     assert "not retried" in message

@@ -91,7 +91,8 @@ def test_the_remote_reward_server_restarted_mid_run_the_run_retries_and_continue
     holder: dict = {}
 
     class RestartingReward:
-        """Hosted by the server: on its second batch the server goes down for a second, then comes back."""
+        """Hosted by the server: its second batch takes the server down, which comes back once the trainer
+        has met the closed port."""
 
         def __init__(self):
             self.inner = build_reward("jpeg_compressibility")
@@ -103,25 +104,35 @@ def test_the_remote_reward_server_restarted_mid_run_the_run_retries_and_continue
         def __call__(self, images, prompts, metadata):
             self.num_calls += 1
             if self.num_calls == 2 and not restarted.is_set():
-                threading.Thread(target=restart, daemon=True).start()
+                stop()  # the port is closed before this call's error answer goes out
                 raise RuntimeError("going down for a restart")
             return self.inner(images, prompts, metadata)
+
+    class RestartOnSecondRetry(logging.Handler):
+        """Starts the server again when the trainer logs its second retry, the attempt that met the closed
+        port."""
+
+        def __init__(self):
+            super().__init__()
+            self.num_retries = 0
+
+        def emit(self, record):
+            if "retrying in" in record.getMessage():
+                self.num_retries += 1
+                if self.num_retries == 2:
+                    start(holder["port"])
+                    restarted.set()
 
     hosted = RestartingReward()
 
     def start(port: int) -> None:
         server = RewardServer(hosted, "127.0.0.1", port)
-        holder["server"] = server
+        holder["server"], holder["port"] = server, server.server_address[1]
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
-    def restart() -> None:
-        server = holder["server"]
-        port = server.server_address[1]
-        server.shutdown()
-        server.server_close()
-        time.sleep(1.0)  # the trainer's retries meet a closed port meanwhile
-        restarted.set()
-        start(port)
+    def stop() -> None:
+        holder["server"].shutdown()
+        holder["server"].server_close()
 
     hosted.name = "jpeg_compressibility"
     start(0)
@@ -137,12 +148,14 @@ def test_the_remote_reward_server_restarted_mid_run_the_run_retries_and_continue
         "reward.max_retries=6",
         "reward.retry_backoff_s=0.1",
     ]
+    restarter = RestartOnSecondRetry()
+    logging.getLogger("glm_training").addHandler(restarter)
     try:
         with caplog.at_level(logging.WARNING, logger="glm_training"):
             assert run(DiTTrainer, "t2i_training", args) == 0
     finally:
-        holder["server"].shutdown()
-        holder["server"].server_close()
+        logging.getLogger("glm_training").removeHandler(restarter)
+        stop()
     assert restarted.is_set()
     retries = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
     assert len(retries) >= 2 and "reward 'remote' failed (attempt 1/7" in retries[0]
