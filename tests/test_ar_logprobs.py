@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -203,6 +205,26 @@ def test_teacher_forced_matches_sampling_log_probs(pipeline, params):
     assert torch.isfinite(log_probs).all() and (log_probs[~mask] == 0).all()
     assert (samples.sampling_log_probs[~mask] == 0).all()
     torch.testing.assert_close(log_probs[mask], samples.sampling_log_probs[mask], rtol=0, atol=1e-5)
+
+
+def test_a_frozen_reference_scores_through_the_trained_policys_kernels(pipeline, samples):
+    # The first step's KL is exactly 0 only if the frozen reference and the trained policy run the same
+    # GEMMs: a frozen LM head given a strided slice of the hidden states would multiply it sample by sample
+    # (bmm), a trained one folds it into one GEMM (mm), and the two may round differently on some CPUs.
+    params = SamplingParams.from_pipeline(pipeline)
+    policy = copy.deepcopy(pipeline.vision_language_encoder).requires_grad_(True)
+    reference = copy.deepcopy(pipeline.vision_language_encoder).requires_grad_(False)
+
+    def scored(model, grad: bool):
+        with torch.set_grad_enabled(grad), torch.profiler.profile() as prof:
+            log_probs = teacher_forced_log_probs(model, samples, params)
+        return log_probs.detach(), Counter(
+            e.name for e in prof.events() if e.name in ("aten::mm", "aten::bmm")
+        )
+
+    (policy_lp, policy_ops), (reference_lp, reference_ops) = scored(policy, True), scored(reference, False)
+    assert policy_ops == reference_ops and "aten::bmm" not in reference_ops, (policy_ops, reference_ops)
+    assert torch.equal(policy_lp, reference_lp)
 
 
 def test_teacher_forced_is_deterministic_and_differentiable(pipeline, samples):

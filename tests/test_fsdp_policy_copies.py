@@ -107,7 +107,23 @@ def test_ema_under_fsdp_equals_ddp_and_resumes_exactly(launch):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
         assert torch.equal(b, c)
     last = {name: read_metrics(tmp_path / name / "metrics.jsonl")[-1] for name in ("ddp", "fsdp")}
-    assert last["fsdp"]["eval/reward_mean"] == pytest.approx(last["ddp"]["eval/reward_mean"], abs=1e-4)
+    # The EMA weights differ by the order of the gradient sums (atol 1e-5 above), and the JPEG reward counts
+    # an image's bytes (-bytes/1000, a mean over 2 prompts): a pixel that rounds the other way on some CPU
+    # moves it by a few bytes, hence 1e-2 (~10 bytes an image), not float rounding.
+    assert last["fsdp"]["eval/reward_mean"] == pytest.approx(last["ddp"]["eval/reward_mean"], abs=1e-2)
+
+
+def _assert_same_run(rows_ddp: list[dict], rows_fsdp: list[dict]) -> None:
+    """Step 1 samples with the same weights: the same rewards to the bit, losses within float rounding. Later
+    steps sample with weights that differ by the order of the gradient sums (atol 1e-5 above), and the JPEG
+    reward counts an image's bytes (-bytes/1000, a mean over 6 samples): a pixel that rounds the other way on
+    some CPU moves it by a few bytes, hence 1e-2 (~10 bytes an image); the loss, which the rewards enter
+    through the group-standardised advantages, is then compared only where the rewards came out equal."""
+    assert rows_ddp[0]["reward_mean"] == rows_fsdp[0]["reward_mean"]
+    for a, b in zip(rows_ddp, rows_fsdp, strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-2)
+        if b["reward_mean"] == a["reward_mean"]:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
 
 
 def test_nft_and_awm_policy_copies_under_fsdp_equal_ddp(launch):
@@ -126,9 +142,7 @@ def test_nft_and_awm_policy_copies_under_fsdp_equal_ddp(launch):
         # The copy is an EMA that lags the policy: a copy that followed it would be equal.
         assert any(not torch.equal(copy_fsdp[n], w_fsdp[n]) for n in w_fsdp)
         rows = {s: read_metrics(tmp_path / f"{algo}_{s}" / "metrics.jsonl") for s in ("ddp", "fsdp")}
-        for a, b in zip(rows["ddp"], rows["fsdp"], strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
-            assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-4)
+        _assert_same_run(rows["ddp"], rows["fsdp"])
     (w_full, old_full), (w_resumed, old_resumed) = (
         _final(tmp_path / name, OLD_POLICY_FILE) for name in ("nft_fsdp", "nft_resumed")
     )

@@ -59,5 +59,10 @@ def test_hsdp_two_by_two_trains_like_flat_fsdp_over_four_ranks(tmp_path):
         torch.testing.assert_close(hsdp[name], flat[name], atol=1e-5, rtol=0)
     rows_flat, rows_hsdp = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("flat", "hsdp"))
     assert rows_flat[0]["ratio_mean"] == rows_hsdp[0]["ratio_mean"] == 1.0
-    for a, b in zip(rows_flat, rows_hsdp):
-        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-5)
+    # Step 1 samples with the same weights: the same rewards to the bit. Step 2 samples with weights that
+    # differ by the order of the gradient sums (atol 1e-5 above), and the JPEG reward counts an image's bytes
+    # (-bytes/1000, a mean over 8 samples): a pixel that rounds the other way on some CPU moves it by a few
+    # bytes, hence 1e-2 (~10 bytes an image), not float rounding.
+    assert rows_flat[0]["reward_mean"] == rows_hsdp[0]["reward_mean"]
+    for a, b in zip(rows_flat[1:], rows_hsdp[1:], strict=True):
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-2)

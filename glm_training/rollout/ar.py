@@ -40,8 +40,10 @@ and (up to float rounding) log-probs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -705,6 +707,26 @@ def _compiled_step(decode_step, device: torch.device):
     return torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=False)
 
 
+@contextlib.contextmanager
+def _contiguous_head_input(model: nn.Module) -> Iterator[None]:
+    """Hand the LM head (`lm_head`, wrapped or not) a contiguous input inside the block.
+
+    `logits_to_keep` gives the head a slice of the hidden states, a strided view. matmul folds a strided
+    [B, T, H] input into one [B*T, H] GEMM only when its weight requires grad (a policy trained in full);
+    a frozen head (the KL reference, or LoRA's) multiplies it sample by sample instead, and the two GEMMs
+    may round differently. Contiguous, both fold into the same GEMM, so the first step's KL is exactly 0.
+    """
+    heads = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "lm_head"]
+    handles = [
+        head.register_forward_pre_hook(lambda _, args: tuple(a.contiguous() for a in args)) for head in heads
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def teacher_forced_log_probs(model: nn.Module, samples: ARSamples, params: SamplingParams) -> Tensor:
     """Log-probs [B, L] (float32, on the model's device, differentiable) of the sampled tokens.
 
@@ -722,15 +744,16 @@ def teacher_forced_log_probs(model: nn.Module, samples: ARSamples, params: Sampl
     num_scored = last - first + 1
     # Logits at position i predict token i + 1: feeding tokens [0, last) yields the predictions of
     # tokens [first, last] in the final `num_scored` positions.
-    outputs = model(
-        input_ids=samples.input_ids[:, :last].to(device),
-        attention_mask=samples.attention_mask[:, :last].to(device),
-        position_ids=samples.position_ids[:, :, :last].to(device),
-        image_grid_thw=samples.image_grid_thw.to(device),
-        logits_to_keep=num_scored,
-        use_cache=False,
-        **{key: value.to(device) for key, value in samples.extra.items()},
-    )
+    with _contiguous_head_input(model):
+        outputs = model(
+            input_ids=samples.input_ids[:, :last].to(device),
+            attention_mask=samples.attention_mask[:, :last].to(device),
+            position_ids=samples.position_ids[:, :, :last].to(device),
+            image_grid_thw=samples.image_grid_thw.to(device),
+            logits_to_keep=num_scored,
+            use_cache=False,
+            **{key: value.to(device) for key, value in samples.extra.items()},
+        )
     logits_btv = outputs.logits
     # Where the logits are: a module whose weights live in host memory (FSDP's CPU offload) computes
     # on the accelerator.
