@@ -26,11 +26,12 @@ TORCHRUN = [
 
 
 class Run:
-    """A training command running in the background, its stderr going to `log`."""
+    """A training command running in the background, its stdout and stderr going to `log`; `env` adds to the
+    test's environment."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.log = log
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
                 args, cwd=REPO, env=env, stdout=err, stderr=err, start_new_session=True

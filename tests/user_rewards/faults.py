@@ -1,11 +1,12 @@
-"""Test-only user rewards that misbehave on purpose: slow, or NaN for some samples.
+"""Test-only user rewards that misbehave on purpose: held at a gate, NaN for some samples, or raising.
 
-Named by file (`tests/user_rewards/faults.py:slow_brightness`), so runs from the repository root find them.
+Named by file (`tests/user_rewards/faults.py:gated_brightness`), so runs from the repository root find them.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -18,9 +19,25 @@ def _brightness(images) -> list[float]:
     return [float(np.asarray(img.convert("L"), dtype=np.float32).mean()) / 255.0 for img in images]
 
 
-def slow_brightness(images, prompts, metadata, seconds: float = 1.0):
-    """Mean brightness after `seconds` of sleep per call: a step long enough to signal in its middle."""
-    time.sleep(seconds)
+GATE = "GLM_TEST_GATE"
+
+
+def gated_brightness(images, prompts, metadata):
+    """Mean brightness, once the file that $GLM_TEST_GATE names exists: a step that cannot end before the
+    test lets it (the test signals the run in the middle of the step, then creates the file).
+
+    A call that finds the gate closed first writes "[rank R] reward waiting at the gate" to stderr: the run
+    is inside a step, its stop-signal handlers installed. Without $GLM_TEST_GATE it is plain brightness.
+    """
+    gate = os.environ.get(GATE)
+    if gate and not os.path.exists(gate):
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '0')}] reward waiting at the gate\n")
+        sys.stderr.flush()
+        deadline = time.monotonic() + 600  # a guard against a hang, never reached when the test is right
+        while not os.path.exists(gate):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the test never opened the gate {gate}")
+            time.sleep(0.02)
     return _brightness(images)
 
 
