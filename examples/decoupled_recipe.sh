@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GLM-Image's decoupled post-training, end to end (README "Decoupled recipe"):
+# GLM-Image's decoupled post-training, end to end (docs/decoupled.md):
 #
 #   1. AR RL (GRPO/DAPO, train_ar.py) with a low-frequency reward;
 #   2. prior tokens sampled once from the trained AR model (python -m glm_training.priors);

@@ -69,6 +69,14 @@ UNIT_FILES = {
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    # Files with the most end-to-end tests first, so that pytest-xdist's workers (one file at a time) do not
+    # end on a long file started last; the order inside a file is kept.
+    heavy = {}
+    for item in items:
+        heavy[item.path] = heavy.get(item.path, 0) + (
+            "slow" in item.keywords or "distributed" in item.keywords
+        )
+    items.sort(key=lambda item: -heavy[item.path])
     for item in items:
         if "distributed" in item.keywords:
             continue
@@ -97,8 +105,14 @@ def pytest_report_header(config) -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory) -> Path:
-    """A session-wide cache for the tiny model, shared by in-process code and by subprocesses (env var)."""
-    path = tmp_path_factory.mktemp("glm_cache")
+    """A session-wide cache for the built models, shared by in-process code and by subprocesses (env var),
+    and by every pytest-xdist worker of the session (their temporary folders share a parent): each model is
+    built once, by whichever worker needs it first (`tiny.ensure_built` is safe when processes race)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / "glm_cache"
+    path.mkdir(exist_ok=True)
     os.environ["GLM_TRAINING_CACHE"] = str(path)
     return path
 

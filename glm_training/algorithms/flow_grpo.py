@@ -1,6 +1,6 @@
 """Flow-GRPO's choices, as pure functions chosen by name: KL expressions, GRPO-Guard ratios, SDE windows.
 
-References (the project matches these by default, see README "Flow-GRPO parity"):
+References (the project matches these by default, see docs/algorithms.md):
 
 - Flow-GRPO (Liu et al., arXiv 2505.05470), `yifan123/flow_grpo`: `scripts/train_sd3.py` (KL loss
   ``mean(dmu^2) / (2 std_dev_t^2)``, training steps ``range(int(num_steps * timestep_fraction))``,

@@ -166,7 +166,7 @@ class ModelConfig:
     ar_weights: str = option(
         "",
         (
-            'Chaining the decoupled stages (README "Decoupled recipe"): the AR model the DiT '
+            'Chaining the decoupled stages (docs/decoupled.md): the AR model the DiT '
             "trainer and `python -m glm_training.priors` sample prior tokens with, as an AR run "
             "folder, a checkpoint step folder (LoRA or full) or an export folder. Empty = the "
             "base model's own AR weights."
@@ -268,7 +268,7 @@ class RewardConfig:
 
     names: list[str] = option(
         factory=lambda: ["jpeg_compressibility"],
-        help="registered rewards (ocr, pickscore, ...) or your own module:function (README, Rewards)",
+        help="registered rewards (ocr, pickscore, ...) or your own module:function (docs/rewards.md)",
     )
     weights: list[float] = option(factory=list, help="empty = 1.0 each")
     options: dict[str, Any] = option(factory=dict, help="per reward name: constructor keyword arguments")
