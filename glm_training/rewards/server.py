@@ -51,6 +51,9 @@ USAGE = (
 )
 
 
+CLOSE_WAIT_S = 10.0  # how long `RewardServer.server_close` waits for requests in flight
+
+
 class RewardServer(ThreadingHTTPServer):
     """HTTP server: `POST /score` scores a batch with `reward` (one call at a time), `GET /health` names it.
 
@@ -82,7 +85,26 @@ class RewardServer(ThreadingHTTPServer):
         self.max_image_pixels = max_image_pixels
         self.request_timeout_s = request_timeout_s
         self.reward_lock = threading.Lock()
+        self.handler_threads: list[threading.Thread] = []
         super().__init__((host, port), _RewardHandler)
+
+    def process_request(self, request, client_address) -> None:
+        """Each request in a daemon thread, as ThreadingMixIn does, remembered so that `server_close` can wait
+        for the ones still answering."""
+        thread = threading.Thread(
+            target=self.process_request_thread, args=(request, client_address), daemon=True
+        )
+        self.handler_threads = [t for t in self.handler_threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def server_close(self) -> None:
+        """Stop listening, then wait up to `CLOSE_WAIT_S` for the requests still being answered: a process
+        that exits while a handler thread runs can abort in a library's teardown ("terminate called without
+        an active exception"), and a stalled client must not keep it alive either."""
+        super().server_close()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for thread in self.handler_threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def url(self) -> str:
