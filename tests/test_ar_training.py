@@ -63,8 +63,8 @@ def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def _prompt_file(tmp_path, noisy: int, flat: int):
-    path = tmp_path / "prompts.txt"
+def _prompt_file(folder, name: str, noisy: int, flat: int):
+    path = folder / f"{name}.txt"
     lines = [f"a noisy picture number {i}" for i in range(noisy)] + [
         f"a FLAT picture number {i}" for i in range(flat)
     ]
@@ -72,39 +72,64 @@ def _prompt_file(tmp_path, noisy: int, flat: int):
     return path
 
 
-def _dist_ar(tmp_path, prompts, *extra: str, reward: str = "flat_unless_noisy"):
-    out = tmp_path / "reports"
-    out.mkdir()
-    args = [
-        str(out),
-        *SMALL,
-        f"data.prompt_file={prompts}",
-        "data.num_groups_per_step=4",
-        f"reward.names=['{reward}']",
-        # At 32x32 the large grid is one token; with the pipeline's top-p 0.75 the two samples of a group
-        # often pick the same one and tie, so "noisy" prompts would not reliably have reward spread.
-        "sampling.temperature=1.0",
-        "sampling.top_p=1.0",
-        "sampling.top_k=0",
-        "trainer.num_steps=1",
-        f"trainer.output_dir={tmp_path / 'run'}",
-        *extra,
-    ]
-    result = torchrun(str(REPO / "tests" / "scripts" / "dist_ar_check.py"), args, timeout=420)
-    reports = [
-        json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()
-    ]
-    return result, reports
+# The dynamic-sampling runs, one launch of 2 ranks for all: name -> (noisy prompts, flat prompts, reward,
+# overrides). "in_step": 3 noisy prompts of 12, so several rounds are needed, and the groups a rank generates
+# can be all flat on one rank and not on the other. "min_std": rank 1's reward is rank 0's times 1e-6, tiny
+# but non-zero spread. "exhausted_*": one noisy prompt among eight and one extra round: at most 2 valid groups
+# of the 4 wanted.
+DYNAMIC_RUNS = {
+    "in_step": (3, 9, "flat_unless_noisy", ["algo.max_resample_rounds=8"]),
+    "min_std": (
+        12,
+        0,
+        f"{REPO / 'tests' / 'user_rewards' / 'rank_spread.py'}:jpeg_size_tiny_on_rank1",
+        ["algo.min_group_std=1e-4", "algo.max_resample_rounds=3"],
+    ),
+    "exhausted_error": (
+        1,
+        7,
+        "flat_unless_noisy",
+        ["algo.max_resample_rounds=1", "algo.on_budget_exhausted=error"],
+    ),
+    "exhausted_warn": (
+        1,
+        7,
+        "flat_unless_noisy",
+        ["algo.max_resample_rounds=1", "algo.on_budget_exhausted=warn"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def dynamic_runs(tmp_path_factory, tiny_model_dir):
+    """{run name: [rank 0's report, rank 1's]} of DYNAMIC_RUNS, launched once under torchrun."""
+    tmp = tmp_path_factory.mktemp("dynamic_sampling")
+    runs = {}
+    for name, (noisy, flat, reward, extra) in DYNAMIC_RUNS.items():
+        runs[name] = [
+            *SMALL,
+            f"data.prompt_file={_prompt_file(tmp, name, noisy, flat)}",
+            "data.num_groups_per_step=4",
+            f"reward.names=['{reward}']",
+            # At 32x32 the large grid is one token; with the pipeline's top-p 0.75 the two samples of a group
+            # often pick the same one and tie, so "noisy" prompts would not reliably have reward spread.
+            "sampling.temperature=1.0",
+            "sampling.top_p=1.0",
+            "sampling.top_k=0",
+            "trainer.num_steps=1",
+            f"trainer.output_dir={tmp / 'run' / name}",
+            *extra,
+        ]
+    script = str(REPO / "tests" / "scripts" / "dist_ar_check.py")
+    result = torchrun(script, [str(tmp), json.dumps(runs)], timeout=420)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {name: [report[name] for report in reports] for name in runs}
 
 
 @pytest.mark.distributed
-def test_dynamic_sampling_keeps_two_ranks_in_step(tmp_path):
-    # 3 noisy prompts of 12: most groups are flat, so several rounds are needed, and the groups a rank
-    # generates can be all flat on one rank and not on the other.
-    result, (r0, r1) = _dist_ar(
-        tmp_path, _prompt_file(tmp_path, noisy=3, flat=9), "algo.max_resample_rounds=8"
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_dynamic_sampling_keeps_two_ranks_in_step(dynamic_runs):
+    r0, r1 = dynamic_runs["in_step"]
     assert r0["finished"] and r1["finished"]  # no deadlock, through a full train() as well
     assert r0["stats"]["resample_rounds"] == r1["stats"]["resample_rounds"] > 1
     assert r0["num_samples"] == r1["num_samples"] == 4  # 4 groups x 2 generations over 2 ranks
@@ -119,20 +144,10 @@ def test_dynamic_sampling_keeps_two_ranks_in_step(tmp_path):
 
 
 @pytest.mark.distributed
-def test_min_group_std_drops_the_groups_with_tiny_spread_on_both_ranks(tmp_path):
-    # Rank 1's reward is rank 0's times 1e-6: its groups have a tiny, non-zero spread. With
-    # min_group_std=1e-4 exactly those are flat; each round then yields rank 0's 2 groups, so 2 rounds.
-    prompts = _prompt_file(tmp_path, noisy=12, flat=0)
-    reward = REPO / "tests" / "user_rewards" / "rank_spread.py"
-    result, reports = _dist_ar(
-        tmp_path,
-        prompts,
-        "algo.min_group_std=1e-4",
-        "algo.max_resample_rounds=3",
-        reward=f"{reward}:jpeg_size_tiny_on_rank1",
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    r0, r1 = reports
+def test_min_group_std_drops_the_groups_with_tiny_spread_on_both_ranks(dynamic_runs):
+    # With min_group_std=1e-4 exactly rank 1's groups are flat; each round then yields rank 0's 2 groups, so
+    # 2 rounds.
+    r0, r1 = dynamic_runs["min_std"]
     assert r0["finished"] and r1["finished"]
     assert r0["decisions"] == r1["decisions"]  # the same decisions from the same gathered data
     assert r0["stats"] == r1["stats"]
@@ -152,13 +167,8 @@ def test_min_group_std_drops_the_groups_with_tiny_spread_on_both_ranks(tmp_path)
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["error", "warn"])
-def test_dynamic_sampling_budget_exhausted(tmp_path, mode):
-    # One noisy prompt among eight, one extra round: at most 2 valid groups of the 4 wanted.
-    prompts = _prompt_file(tmp_path, noisy=1, flat=7)
-    result, reports = _dist_ar(
-        tmp_path, prompts, "algo.max_resample_rounds=1", f"algo.on_budget_exhausted={mode}"
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_dynamic_sampling_budget_exhausted(dynamic_runs, mode):
+    reports = dynamic_runs[f"exhausted_{mode}"]
     assert len(reports) == 2
     if mode == "error":
         for report in reports:

@@ -1,7 +1,9 @@
 """Run under `torchrun --nproc_per_node=2` by tests/test_ar_training.py: DAPO dynamic sampling, 2 ranks.
 
-The reward is built so that prompts containing FLAT score the same for every sample (zero-std groups, to
-be dropped) while the others score by JPEG size (spread). Writes `<out>/rank<r>.json`.
+argv: OUT RUNS_JSON. RUNS_JSON maps a run name to its config overrides; the runs go in order, in one process
+group. The reward `flat_unless_noisy` scores prompts containing FLAT the same for every sample (zero-std
+groups, to be dropped) and the others by JPEG size (spread). Rank r writes `<OUT>/rank<r>.json`: per run, the
+first step's collection and update, then whether the whole loop finished (or the collection's error).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate.state import AcceleratorState
 
 from glm_training import distributed as dist
 from glm_training.config import load_config
@@ -28,18 +31,14 @@ class FlatUnlessNoisy(Reward):
         return torch.tensor([1.0 if "FLAT" in p else float(s) for p, s in zip(prompts, spread)])
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    cfg = load_config(sys.argv[2:], "ar_training")
-    trainer = ARTrainer(cfg)
-    rank = trainer.rank
-    report: dict = {"rank": rank}
+def run_one(overrides: list[str]) -> dict:
+    """One run: the first step's collection and update looked at closely, then the whole loop."""
+    trainer = ARTrainer(load_config(overrides, "ar_training"))
+    report: dict = {"rank": trainer.rank}
     try:
         batch = trainer._collect(0)
     except DynamicSamplingExhausted as err:
-        report["error"] = str(err)
-        (out / f"rank{rank}.json").write_text(json.dumps(report))
-        return
+        return {**report, "error": str(err)}
     records = batch.rollout.records
     tensors = [v for r in records for v in r.values() if isinstance(v, torch.Tensor)]
     stats = trainer._update(batch, 0)
@@ -59,7 +58,16 @@ def main() -> None:
     )
     trainer.train()  # and the whole loop, to completion
     report["finished"] = True
-    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    return report
+
+
+def main() -> None:
+    out, runs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    reports = {}
+    for name, overrides in runs.items():
+        AcceleratorState._reset_state()  # accelerate's engine state is per run; the process group stays
+        reports[name] = run_one(overrides)
+    (out / f"rank{dist.rank_info().rank}.json").write_text(json.dumps(reports))
 
 
 if __name__ == "__main__":
