@@ -166,7 +166,7 @@ class ModelConfig:
     ar_weights: str = option(
         "",
         (
-            'Chaining the decoupled stages (docs/decoupled.md): the AR model the DiT '
+            "Chaining the decoupled stages (docs/decoupled.md): the AR model the DiT "
             "trainer and `python -m glm_training.priors` sample prior tokens with, as an AR run "
             "folder, a checkpoint step folder (LoRA or full) or an export folder. Empty = the "
             "base model's own AR weights."
