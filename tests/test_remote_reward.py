@@ -510,3 +510,32 @@ def test_reward_server_url_reports_the_bound_port():
         assert server.url == f"http://127.0.0.1:{server.server_address[1]}" and server.server_address[1] > 0
     finally:
         server.server_close()
+
+
+def test_closing_the_server_waits_for_the_request_being_answered():
+    # A process that exits while a handler thread still answers can abort in a library's teardown: closing
+    # the server (what its SIGTERM does) waits for the answer in flight, which still reaches the client.
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldReward(Reward):
+        name = "held"
+
+        def __call__(self, images, prompts, metadata):
+            entered.set()
+            release.wait(30)  # the 30 s only bound a broken test
+            return torch.zeros(len(images))
+
+    server = RewardServer(HeldReward(), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    answers: list = []
+    client = threading.Thread(target=lambda: answers.append(RemoteReward(server.url, **FAST)(*batch(2))))
+    client.start()
+    assert entered.wait(10)
+    server.shutdown()
+    closed = threading.Event()
+    threading.Thread(target=lambda: (server.server_close(), closed.set()), daemon=True).start()
+    assert not closed.wait(0.5)  # still waiting for the handler thread: the reward has not answered
+    release.set()
+    assert closed.wait(10)
+    client.join(10)
+    assert len(answers) == 1 and torch.equal(answers[0], torch.zeros(2))
