@@ -3,7 +3,7 @@
 python train_ar.py                                           # tiny offline model, CPU, a few minutes
 torchrun --nproc_per_node=8 train_ar.py --config-name recipes/dapo_aesthetic_alignment  # docs/recipes.md
 
-The trainer comes from the algorithm table (`glm_training/config/algorithms.py`) when training starts:
+The algorithm comes from the algorithm table (`glm_training/config/algorithms.py`) when training starts:
 --cfg and --help answer without loading torch.
 """
 

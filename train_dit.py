@@ -5,7 +5,7 @@ python train_dit.py --config configs/nft_training.yaml      # DiffusionNFT, tiny
 python train_dit.py --config configs/awm_training.yaml      # AWM, tiny model, about a minute
 torchrun --nproc_per_node=8 train_dit.py --config-name recipes/flow_grpo_fast_ocr  # GLM-Image, see recipes
 
-`algo.name` picks the trainer from the algorithm table (`glm_training/config/algorithms.py`); it is imported
+`algo.name` picks the algorithm from the algorithm table (`glm_training/config/algorithms.py`); it is imported
 when training starts, so that --cfg and --help answer without loading torch.
 """
 

@@ -57,13 +57,10 @@ from bench_dit import (  # noqa: E402  (also puts the repository root on sys.pat
     timed,
 )
 
+from glm_training.algorithms.grpo.log_probs import teacher_forced_log_probs
 from glm_training.models.wrapper import resolve_model_path  # noqa: E402
-from glm_training.rollout.ar import (  # noqa: E402
-    SamplingParams,
-    chat_inputs,
-    sample_image_tokens,
-    teacher_forced_log_probs,
-)
+from glm_training.pipeline.ar import chat_inputs, sample_image_tokens
+from glm_training.pipeline.ar_logits import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,12 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glm_training import distributed as dist  # noqa: E402
 from glm_training.config import load_config  # noqa: E402
+from glm_training.distributed import collectives as dist  # noqa: E402
+from glm_training.engine.trainer import DiTTrainer  # noqa: E402
 from glm_training.environment import cpu_model  # noqa: E402
+from glm_training.models.placement import local_numel  # noqa: E402
 from glm_training.plan import loading_host_plan  # noqa: E402
-from glm_training.sharding import local_numel  # noqa: E402
-from glm_training.trainers.dit_trainer import DiTTrainer  # noqa: E402
 
 GIB = 1024**3
 
@@ -119,11 +119,11 @@ def main() -> None:
             ],
         }
         logging.getLogger("glm_training").removeHandler(timeline)
-        params = [p for p in trainer.trainable.parameters() if p.requires_grad]
+        params = [p for p in trainer.policy.trainable.parameters() if p.requires_grad]
         for p in params:
             p.grad = torch.zeros_like(p)
-        trainer.optimizer.step()  # AdamW's state at its real size
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.policy.optimizer.step()  # AdamW's state at its real size
+        trainer.policy.optimizer.zero_grad(set_to_none=True)
         state_bytes = sum(
             local_numel(p) * p.element_size() * 3 for p in params
         )  # weights + exp_avg + exp_avg_sq held by this rank
@@ -137,9 +137,9 @@ def main() -> None:
             before = status_bytes("VmRSS")
             reset_peak()
             start = time.perf_counter()
-            trainer._save(step, at_once=not background)
+            trainer.save(step, at_once=not background)
             held = time.perf_counter() - start
-            trainer._finish_pending_checkpoint()
+            trainer.checkpoints.finish_pending()
             results[name] = {
                 "peak_above_before_gib": (status_bytes("VmHWM") - before) / GIB,
                 "seconds": held,

@@ -13,14 +13,14 @@ Measures, on one model with the same steps, resolution, guidance and batch:
    level 0.7) on every step, recording latents and log-probs. Warm-up once, then the median of
    `--repeats` runs each, taken alternately. The target is rollout <= 1.10x pipeline. A parity check
    (noise level 0 reproduces the pipeline's latents) confirms that both do the same work.
-2. Seconds per training step of the real `DiTTrainer` (tiny config + CLI overrides): `_collect` (AR prior
-   tokens, rollout, VAE decode, rewards, advantages) and `_update` timed separately, after a warm-up step.
+2. Seconds per training step of the real `DiTTrainer` (tiny config + CLI overrides): `collect` (AR prior
+   tokens, rollout, VAE decode, rewards, advantages) and `update` timed separately, after a warm-up step.
 3. Peak memory: `torch.cuda.max_memory_allocated` per phase on CUDA; on CPU the process's peak RSS
    (`ru_maxrss`), which only grows, so each figure is the peak up to the end of that phase.
 4. With `--recipes` (issue 11): batched CFG (one DiT forward of 2B samples) against sequential CFG (two
    of B) in the rollout, interleaved, with the largest latent difference at noise level 0; and the
    Flow-GRPO-Fast window (`--window` SDE steps drawn in the first half, ODE elsewhere) against the full-SDE
-   recipe (SDE on every step but the last): two real trainers, their `_collect` and `_update` timed
+   recipe (SDE on every step but the last): two real trainers, their `collect` and `update` timed
    alternately step by step.
 """
 
@@ -44,14 +44,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from glm_training.algorithms.flow_grpo.rollout import sample_trajectory
 from glm_training.config import BUNDLED_PROMPTS, load_config  # noqa: E402
 from glm_training.models.wrapper import resolve_model_path  # noqa: E402
-from glm_training.rollout.dit import (  # noqa: E402
-    build_guidance_inputs,
-    generate_prior_tokens,
-    glm_image_schedule,
-    sample_trajectory,
-)
+from glm_training.pipeline.dit import build_guidance_inputs, generate_prior_tokens, glm_image_schedule
 
 NOISE_LEVEL = 0.7
 TARGET_RATIO = 1.10
@@ -349,27 +345,27 @@ def trainer_overrides(args: argparse.Namespace, output_dir: str) -> list[str]:
 
 
 def bench_trainer(args: argparse.Namespace, device: torch.device) -> dict:
-    from glm_training.trainers.dit_trainer import DiTTrainer
+    from glm_training.engine.trainer import DiTTrainer
 
     with tempfile.TemporaryDirectory(prefix="bench_dit_") as tmp:
         overrides = trainer_overrides(args, str(Path(tmp) / "run"))
         cfg = load_config(overrides, "t2i_training")
         trainer = DiTTrainer(cfg)
-        tdev = trainer.device
+        tdev = trainer.policy.device
         reset_peak(tdev)
         collect_s, update_s = [], []
         load = None
         for step in range(args.train_steps + 1):  # step 0 is the warm-up
             if step == 1:
                 load = BackgroundLoad()
-            c, batch = timed(lambda s=step: trainer._collect(s), tdev)
-            u, _ = timed(lambda b=batch, s=step: trainer._update(b, s), tdev)
+            c, batch = timed(lambda s=step: trainer.collect(s), tdev)
+            u, _ = timed(lambda b=batch, s=step: trainer.update(b, s), tdev)
             if step > 0:
                 collect_s.append(c)
                 update_s.append(u)
         return {
             "device": str(tdev),
-            "samples_per_step": trainer.samples_per_rank,
+            "samples_per_step": trainer.cfg.data.per_rank_samples(trainer.world_size),
             "sde_steps": len(batch.rollout.trajectories[0].step_indices),
             "overrides": overrides,
             "collect_s": statistics.median(collect_s),
@@ -416,7 +412,7 @@ def bench_batched_cfg(args: argparse.Namespace, device: torch.device, dtype: tor
 
 
 def bench_fast_window(args: argparse.Namespace, device: torch.device) -> dict:
-    from glm_training.trainers.dit_trainer import DiTTrainer
+    from glm_training.engine.trainer import DiTTrainer
 
     fast = [f"sampling.sde_window_size={args.window}", f"sampling.sde_window_range=[0,{args.steps // 2}]"]
     with tempfile.TemporaryDirectory(prefix="bench_dit_") as tmp:
@@ -432,8 +428,8 @@ def bench_fast_window(args: argparse.Namespace, device: torch.device) -> dict:
             if step == 1:
                 load = BackgroundLoad()
             for name, trainer in trainers.items():  # alternately, so drifting load hits both alike
-                c, batch = timed(lambda t=trainer, s=step: t._collect(s), trainer.device)
-                u, stats = timed(lambda t=trainer, b=batch, s=step: t._update(b, s), trainer.device)
+                c, batch = timed(lambda t=trainer, s=step: t.collect(s), trainer.policy.device)
+                u, stats = timed(lambda t=trainer, b=batch, s=step: t.update(b, s), trainer.policy.device)
                 times[name]["train_steps"] = int(stats["num_train_steps"])
                 if step > 0:
                     times[name]["collect"].append(c)
@@ -504,8 +500,8 @@ def print_report(info: dict, args: argparse.Namespace, den: dict, train: dict | 
     ]
     if train is not None:
         rows += [
-            (f"trainer _collect (s, median of {args.train_steps})", f"{train['collect_s']:.3f}"),
-            (f"trainer _update (s, median of {args.train_steps})", f"{train['update_s']:.3f}"),
+            (f"trainer collect (s, median of {args.train_steps})", f"{train['collect_s']:.3f}"),
+            (f"trainer update (s, median of {args.train_steps})", f"{train['update_s']:.3f}"),
             ("trainer step = collect + update (s)", f"{train['step_s']:.3f}"),
             ("trainer device / samples per step", f"{train['device']} / {train['samples_per_step']}"),
             ("peak memory after trainer (MiB)", f"{train['peak_memory_mib']:.1f}"),

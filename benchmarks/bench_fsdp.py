@@ -73,19 +73,18 @@ def vm_hwm() -> int:
 
 def worker(out: Path, args: list[str]) -> None:
     """One rank: build the trainer, run one step, write `<out>/rank<r>.json`."""
-    from glm_training import distributed as dist
     from glm_training.config import load_config
-    from glm_training.sharding import trainable_counts
-    from glm_training.trainers.ar_trainer import ARTrainer
-    from glm_training.trainers.dit_trainer import DiTTrainer
+    from glm_training.distributed import collectives as dist
+    from glm_training.engine.trainer import ARTrainer, DiTTrainer
+    from glm_training.models.placement import trainable_counts
 
     cfg = load_config(args, "t2i_training")
     trainer = (DiTTrainer if cfg.component == "dit" else ARTrainer)(cfg)
-    local, total = trainable_counts(trainer.trainable)
+    local, total = trainable_counts(trainer.policy.trainable)
     dist.barrier()
     start = time.perf_counter()
-    batch = trainer._collect(0)
-    trainer._update(batch, 0)
+    batch = trainer.collect(0)
+    trainer.update(batch, 0)
     seconds = time.perf_counter() - start
     report = {"local": local, "total": total, "peak_bytes": vm_hwm(), "step_s": seconds}
     (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))

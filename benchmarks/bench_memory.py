@@ -1,6 +1,6 @@
 """Memory of a training step on the real-width fixture (`model=glm_image_shape`) against `glm_training.plan`.
 
-    python benchmarks/bench_memory.py --calibrate            # activation coefficients of glm_training/plan.py
+    python benchmarks/bench_memory.py --calibrate            # activation coefficients of glm_training/plan/
     python benchmarks/bench_memory.py --component dit --size 512 --num-layers 1   # one case, prints JSON
     python benchmarks/bench_memory.py --all                  # every case of docs/benchmarks.md
 

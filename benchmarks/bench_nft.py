@@ -8,7 +8,7 @@ The trainers start from the same tiny model (the same weights), train on the sam
 reward, each with its own shipped tiny config (`configs/t2i_training.yaml`, `configs/nft_training.yaml`,
 `configs/awm_training.yaml`, plus the overrides given). They take training steps in turn, always the one
 that has used less CPU time, so the other engineers' load on the machine falls on all alike. The clock is
-the CPU time of this process (`time.process_time`, one thread) spent in `_collect` + `_update`; evaluation
+the CPU time of this process (`time.process_time`, one thread) spent in `collect` + `update`; evaluation
 is outside it. Whenever an algorithm's CPU time crosses a budget, its held-out evaluation (the bundled eval
 prompts, one fixed seed per prompt, each algorithm's own sampler: Flow-GRPO with CFG 1.5, NFT and AWM
 CFG-free) is recorded. The figure of merit is the held-out reward gain over the algorithm's own step-0
@@ -39,18 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dit import machine_info  # noqa: E402
 
+from glm_training.algorithms.decoder.ode import NFTSamples  # noqa: E402
 from glm_training.config import load_config  # noqa: E402
+from glm_training.engine.trainer import DiTTrainer  # noqa: E402
 from glm_training.logs import setup_logging  # noqa: E402
-from glm_training.rollout.nft import NFTSamples  # noqa: E402
-from glm_training.trainers.awm_trainer import AWMTrainer  # noqa: E402
-from glm_training.trainers.dit_trainer import DiTTrainer  # noqa: E402
-from glm_training.trainers.nft_trainer import NFTTrainer  # noqa: E402
 
 # Each algorithm: its trainer and shipped tiny config.
 ALGORITHMS = {
     "flow_grpo": (DiTTrainer, "t2i_training"),
-    "nft": (NFTTrainer, "nft_training"),
-    "awm": (AWMTrainer, "awm_training"),
+    "nft": (DiTTrainer, "nft_training"),
+    "awm": (DiTTrainer, "awm_training"),
 }
 
 
@@ -84,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def rollout_bytes_per_sample(rollout) -> float:
-    """Bytes the rollout keeps for `_update`, per sample (conditioning included)."""
+    """Bytes the rollout keeps for `update`, per sample (conditioning included)."""
     total, count = 0, 0
     kept_chunks = rollout.samples if hasattr(rollout, "samples") else rollout.trajectories
     for kept in kept_chunks:
@@ -124,12 +122,12 @@ class Run:
         self.evals = [{"cpu_s": 0.0, "step": 0, "reward": self.evaluate()}]
 
     def evaluate(self) -> float:
-        return self.trainer._maybe_evaluate(self.step)["eval/reward_mean"]
+        return self.trainer.evaluate(self.step)["eval/reward_mean"]
 
     def train_step(self, clock) -> None:
         start = clock()
-        batch = self.trainer._collect(self.step)
-        self.trainer._update(batch, self.step)
+        batch = self.trainer.collect(self.step)
+        self.trainer.update(batch, self.step)
         self.cpu_s += clock() - start
         if self.bytes_per_sample is None:
             self.bytes_per_sample = rollout_bytes_per_sample(batch.rollout)

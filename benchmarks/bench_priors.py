@@ -10,7 +10,7 @@
    is its own: `live` (the AR model loaded, prior tokens sampled at every step) and `cached`
    (`data.prior_cache`, the AR model never loaded). The processes alternate (live, cached, live, ...), so
    both see the same background load. Each does one warm-up step, then times `--train-steps` steps:
-   `_collect` (prior tokens, rollout, VAE decode, rewards, advantages) and `_update` apart.
+   `collect` (prior tokens, rollout, VAE decode, rewards, advantages) and `update` apart.
 3. Memory: on CPU the process's peak RSS (`ru_maxrss`) after loading and after the steps; on CUDA
    `torch.cuda.memory_allocated` after loading (the weights that sit on the GPU while the DiT trains) and
    `max_memory_allocated` over the steps. The AR model's parameter count and bytes come from the live run.
@@ -82,20 +82,20 @@ def overrides(args: argparse.Namespace) -> list[str]:
 def child(args: argparse.Namespace) -> dict:
     """One trainer in this process: load, warm up, time `--train-steps` steps, report memory."""
     from glm_training.config import load_config
-    from glm_training.trainers.dit_trainer import DiTTrainer
+    from glm_training.engine.trainer import DiTTrainer
 
     extra = [f"data.prior_cache={args.cache}"] if args.child == "cached" else []
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config([*overrides(args), *extra, f"trainer.output_dir={tmp}/run"], "t2i_training")
         trainer = DiTTrainer(cfg)
-        device = trainer.device
+        device = trainer.policy.device
         loaded = (
             torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else peak_memory_mib(device)
         )
-        ar = trainer.wrapper.pipeline.vision_language_encoder
+        ar = trainer.policy.wrapper.pipeline.vision_language_encoder
         ar_params = sum(p.numel() for p in ar.parameters()) if ar is not None else 0
         ar_bytes = sum(p.numel() * p.element_size() for p in ar.parameters()) if ar is not None else 0
-        trainer._update(trainer._collect(0), 0)  # warm-up
+        trainer.update(trainer.collect(0), 0)  # warm-up
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         collect, update, cpu = [], [], []
@@ -103,10 +103,10 @@ def child(args: argparse.Namespace) -> dict:
         for step in range(1, args.train_steps + 1):
             sync(device)
             start, cpu_start = time.perf_counter(), time.process_time()
-            batch = trainer._collect(step)
+            batch = trainer.collect(step)
             sync(device)
             middle = time.perf_counter()
-            trainer._update(batch, step)
+            trainer.update(batch, step)
             sync(device)
             collect.append(middle - start)
             update.append(time.perf_counter() - middle)

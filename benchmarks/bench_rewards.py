@@ -4,7 +4,7 @@
     python benchmarks/bench_rewards.py --reward jpeg_compressibility --steps 4 --json out.json
 
 Builds the real `DiTTrainer` (tiny config + overrides) twice, with `reward.overlap=false` and `true`, and
-times `_collect` (AR prior tokens, the rollout micro-batch by micro-batch, decoding, scoring, advantages) for
+times `collect` (AR prior tokens, the rollout micro-batch by micro-batch, decoding, scoring, advantages) for
 `--steps` steps after one warm-up step, alternating the two settings. Checks that both settings give the same
 rewards. Overlap pays when the reward is slow relative to a micro-batch of the rollout and the two can run
 side by side (a GPU rollout with a CPU or second-GPU scorer; on CPU, a spare core).
@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench_dit import machine_info  # noqa: E402  (also puts the repository root on sys.path)
 
 from glm_training.config import load_config  # noqa: E402
-from glm_training.trainers.dit_trainer import DiTTrainer  # noqa: E402
+from glm_training.engine.trainer import DiTTrainer  # noqa: E402
 
 OCR_PROMPTS = [
     'a shop sign that says "OPEN"',
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         for step in range(args.steps + 1):
             for overlap, trainer in trainers.items():
                 start = time.perf_counter()
-                batch = trainer._collect(step)
+                batch = trainer.collect(step)
                 elapsed = time.perf_counter() - start
                 rewards[overlap].append(batch.rewards.tolist())
                 if step:  # the first step warms up

@@ -3,8 +3,8 @@
 (1) SHA-256 of a checkpoint file (`checkpoint.file_sha256`, what `hashes.json` records at save and resume
 checks) against `torch.save` of the same bytes: the ratio says how much longer a save takes with hashes.
 (2) The once-per-step work every rank adds under torchrun: two all-reduces of one flag
-(`distributed.any_rank`, reward failure and stop signal) and six phase records in the rendezvous store
-(`distributed.set_phase`), timed in a 2-process gloo group on this machine.
+(`distributed.collectives.any_rank`, reward failure and stop signal) and six phase records in the rendezvous
+store (`distributed.collectives.set_phase`), timed in a 2-process gloo group on this machine.
 
     .venv/bin/python benchmarks/bench_robustness.py --size-mb 512 --iters 200
 """
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from glm_training import distributed as dist
 from glm_training.checkpoint import file_sha256
+from glm_training.distributed import collectives as dist
 
 
 def hashing(size_mb: int) -> dict[str, float]:

@@ -21,9 +21,13 @@ from typing import Any
 # Public name -> (module, attribute).
 _EXPORTS: dict[str, tuple[str, str]] = {
     # Trainers: `Trainer(cfg, reward_funcs=None, reward_weights=None).train()` -> output folder.
-    "DiTTrainer": ("glm_training.trainers.dit_trainer", "DiTTrainer"),
-    "ARTrainer": ("glm_training.trainers.ar_trainer", "ARTrainer"),
-    "RewardTrainer": ("glm_training.trainers.reward_trainer", "RewardTrainer"),
+    "Trainer": ("glm_training.engine.trainer", "Trainer"),
+    "DiTTrainer": ("glm_training.engine.trainer", "DiTTrainer"),
+    "ARTrainer": ("glm_training.engine.trainer", "ARTrainer"),
+    "RewardTrainer": ("glm_training.engine.trainer", "Trainer"),
+    # Algorithms: the base class a new one subclasses, and the table it is registered in.
+    "Algorithm": ("glm_training.algorithms.base", "Algorithm"),
+    "register_algorithm": ("glm_training.config.algorithms", "register_algorithm"),
     # Configs: the dataclasses (constructible directly) and the YAML + overrides loader.
     "DiTTrainConfig": ("glm_training.config", "DiTTrainConfig"),
     "ARTrainConfig": ("glm_training.config", "ARTrainConfig"),

@@ -5,13 +5,13 @@ Hydra's own flags act here, before any model is loaded: `--cfg job|all|hydra` pr
 fix (bad config, prompt file, reward name, checkpoint folder, placement, an exhausted dynamic-sampling budget)
 print one message naming the problem and the fix, and exit with status 2 (`errors.report_user_errors`). This
 module imports no trainer: the entry points name the half they train ("dit" or "ar", and the config's
-`algo.name` picks the trainer from the algorithm table, `config/algorithms.py`), or pass a class or its
+`algo.name` picks the algorithm from the algorithm table, `config/algorithms.py`), or pass a class or its
 "module:Class" path; the trainer is imported only when training starts (so `--cfg` and `--help` answer in
 about a second, without torch).
 
-The quick-start configs (`configs/t2i_training.yaml`, ... : each algorithm's `Algorithm.config`) hold the tiny
-model's sizes and learning rate; training the real GLM-Image from one is refused, naming that algorithm's
-recipes in `configs/recipes/` (`docs/recipes.md`), so tiny settings never reach a real-model run.
+The quick-start configs (`configs/t2i_training.yaml`, ... : each algorithm's `AlgorithmSpec.config`) hold the
+tiny model's sizes and learning rate; training the real GLM-Image from one is refused, naming that
+algorithm's recipes in `configs/recipes/` (`docs/recipes.md`), so tiny settings never reach a real-model run.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def recipes_by_algorithm() -> dict[str, list[str]]:
 def check_not_quick_start(cfg: Any, command: Any) -> None:
     """Refuse to train the real GLM-Image from a quick-start config; the error names the recipes to use.
 
-    A quick-start config is a shipped config named by an algorithm's `Algorithm.config`: its sizes, steps and
-    learning rate are the tiny model's (`model=glm_image` on top of it would train the real model at 64x64
-    with a full fine-tuning learning rate on LoRA).
+    A quick-start config is a shipped config named by an algorithm's `AlgorithmSpec.config`: its sizes, steps
+    and learning rate are the tiny model's (`model=glm_image` on top of it would train the real model at
+    64x64 with a full fine-tuning learning rate on LoRA).
     """
     from omegaconf import OmegaConf
 

@@ -41,11 +41,12 @@ from typing import Any
 
 import torch
 
-from glm_training import distributed as dist
 from glm_training.config import ConfigError
 from glm_training.data import Prompt, PromptFileError, load_prompts
+from glm_training.distributed import collectives as dist
 from glm_training.image_grid import caption, make_image_grid
 from glm_training.models.halves import model_half
+from glm_training.pipeline.dit import generate_prior_tokens, prompt_seed, render_with_pipeline, seeded_latents
 from glm_training.rewards.combine import RewardSet, weighted_sum
 from glm_training.rewards.ocr import (
     MISSING_TEXT_FIX,
@@ -54,7 +55,6 @@ from glm_training.rewards.ocr import (
     target_text,
     word_accuracy,
 )
-from glm_training.rollout.dit import generate_prior_tokens, prompt_seed, render_with_pipeline, seeded_latents
 
 logger = logging.getLogger("glm_training")
 
@@ -475,7 +475,7 @@ def _apply_chained_weights(pipeline, cfg: Any, given: list[str]) -> None:
     A DiT run chained to a trained AR model (and trained on priors cached from it) is evaluated with that AR
     model: its live tokens are the cached ones, so the numbers equal the training-time evaluation's.
     """
-    from glm_training.models.frozen_weights import apply_weights_source, resolve_weights_source
+    from glm_training.frozen_weights import apply_weights_source, resolve_weights_source
     from glm_training.models.halves import HALVES
 
     for component in HALVES:

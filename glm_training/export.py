@@ -1,6 +1,6 @@
 """Export trained GLM-Image checkpoints as a standalone `diffusers.GlmImagePipeline` folder.
 
-A checkpoint (`glm_training/checkpoint.py`) holds only the weights that trained: the LoRA adapters (peft) or
+A checkpoint (`glm_training/checkpoint/`) holds only the weights that trained: the LoRA adapters (peft) or
 the fine-tuned parameters of one half of GLM-Image, the DiT `transformer` (Flow-GRPO, `train_dit.py`) or the
 AR `vision_language_encoder` (GRPO/DAPO, `train_ar.py`). The export re-reads the run's base model
 (`model.name`), puts the trained weights back in, and writes a complete pipeline folder with `save_pretrained`

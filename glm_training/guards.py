@@ -1,7 +1,7 @@
 """Non-finite guards: a NaN/inf from a reward model, a loss or an fp16 overflow never reaches the weights.
 
 Three places are checked:
-- the gradient norm before every optimizer step (`RewardTrainer.optimizer_step`): a non-finite loss gives
+- the gradient norm before every optimizer step (`Policy.optimizer_step`): a non-finite loss gives
   non-finite gradients, so one check covers both; the step is skipped (no optimizer, scheduler or EMA
   update), like `torch.amp.GradScaler` skips an overflowing step. Under DDP the norm is computed from the
   all-reduced gradients, so every rank takes the same decision;

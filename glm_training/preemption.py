@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from glm_training import distributed as dist
+from glm_training.distributed import collectives as dist
 
 logger = logging.getLogger("glm_training")
 

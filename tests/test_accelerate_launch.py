@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import DIT_SMALL, PYTHON, run_cli, torchrun
 
-from glm_training.distributed import LaunchError, rank_info
+from glm_training.distributed.collectives import LaunchError, rank_info
 from glm_training.metrics import read_metrics
 
 ARGS = [*DIT_SMALL, "trainer.num_steps=2", "trainer.save_every=0"]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from glm_training.algorithms.advantages import (
+from glm_training.engine.advantages import (
     batch_std_advantages,
     centered_advantages,
     clip_advantages,

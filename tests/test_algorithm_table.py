@@ -1,5 +1,6 @@
-"""The algorithm table (`config/algorithms.py`): every consumer reads it, and a new decoder algorithm is a
-loss, a trainer class, a config dataclass and one table entry, with nothing else in the package to edit.
+"""The algorithm table (`config/algorithms.py`): every consumer reads it, and a new decoder algorithm is its
+own code (a loss, an `Algorithm` class, a config section) and one table entry, with nothing else in the
+package to edit.
 
 Unit tests, plus one short training run of a toy algorithm registered from this file.
 """
@@ -14,55 +15,63 @@ import torch
 from conftest import DIT_SMALL
 from safetensors.torch import load_file
 
-from glm_training.algorithms import awm
-from glm_training.algorithms.flow_grpo import KL_FNS, LOG_RATIOS
-from glm_training.algorithms.nft import DECAY_SCHEDULES, noised_latents
-from glm_training.algorithms.sde import LOG_PROBS
+from glm_training.algorithms.awm import config as awm_config
+from glm_training.algorithms.awm import losses as awm
+from glm_training.algorithms.base import Algorithm as AlgorithmBase
+from glm_training.algorithms.decoder.forward_math import noised_latents
+from glm_training.algorithms.decoder.ode import keep_for_update, sample_ode
+from glm_training.algorithms.decoder.rollout import DecoderRollout
+from glm_training.algorithms.flow_grpo import config as flow_grpo_config
+from glm_training.algorithms.flow_grpo.algorithm import WINDOW_STARTS
+from glm_training.algorithms.flow_grpo.losses import KL_FNS, LOG_RATIOS
+from glm_training.algorithms.flow_grpo.rollout import SDE_STEPS
+from glm_training.algorithms.flow_grpo.sde import LOG_PROBS
+from glm_training.algorithms.grpo import config as grpo_config
+from glm_training.algorithms.grpo.algorithm import AGGREGATIONS, IMPORTANCE_SAMPLING
+from glm_training.algorithms.nft import config as nft_config
+from glm_training.algorithms.nft.losses import DECAY_SCHEDULES
 from glm_training.cli import run
 from glm_training.config import (
     ALGORITHMS,
-    Algorithm,
+    AlgoConfig,
+    AlgorithmSpec,
     ConfigError,
     DiffusionSamplingConfig,
-    DiTTrainConfig,
+    RunConfig,
     algorithm_of,
     build_trainer,
     load_config,
     load_run_config,
     option,
+    options,
     register_algorithm,
-    schema,
 )
+from glm_training.distributed.strategies import STRATEGIES
+from glm_training.engine.advantages import ADVANTAGE_FNS
 from glm_training.metrics import read_metrics
-from glm_training.parallel import STRATEGIES
+from glm_training.pipeline.ar import DECODING_PATHS
+from glm_training.pipeline.dit import predict_velocity
 from glm_training.rewards.combine import COMBINE_FNS
-from glm_training.rollout.ar import DECODING_PATHS
-from glm_training.rollout.dit import SDE_STEPS, predict_velocity
-from glm_training.rollout.nft import keep_for_update, sample_ode
-from glm_training.trainers.ar_trainer import AGGREGATIONS, IMPORTANCE_SAMPLING
-from glm_training.trainers.diffusion_trainer import DiffusionTrainer
-from glm_training.trainers.dit_trainer import WINDOW_STARTS
-from glm_training.trainers.reward_trainer import ADVANTAGE_FNS
 
 
 @pytest.mark.parametrize(
     "choices, table",
     [
-        (schema.SCALE_REWARDS, ADVANTAGE_FNS),
-        (schema.REWARD_COMBINES, COMBINE_FNS),
-        (schema.STRATEGIES, STRATEGIES),
-        (schema.SDE_TYPES, SDE_STEPS),
-        (schema.CPS_LOG_PROBS, LOG_PROBS),
-        (schema.SDE_WINDOW_SCHEDULES, WINDOW_STARTS),
-        (schema.DIT_KL_TYPES, KL_FNS),
-        (schema.RATIO_NORMS, LOG_RATIOS),
-        (schema.NFT_DECAY_TYPES, DECAY_SCHEDULES),
-        (schema.IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING),
-        (schema.LOSS_AGGREGATIONS, AGGREGATIONS),
-        (schema.AWM_WEIGHTINGS, awm.WEIGHTINGS),
-        (schema.AWM_TIME_TYPES, awm.TIME_TYPES),
-        (schema.AWM_ANCHOR_DECAY_TYPES, awm.ANCHOR_DECAY_TYPES),
-        (schema.DECODING_PATHS, DECODING_PATHS),
+        (options.SCALE_REWARDS, ADVANTAGE_FNS),
+        (options.REWARD_COMBINES, COMBINE_FNS),
+        (options.STRATEGIES, STRATEGIES),
+        (flow_grpo_config.SDE_TYPES, SDE_STEPS),
+        (flow_grpo_config.CPS_LOG_PROBS, LOG_PROBS),
+        (flow_grpo_config.SDE_WINDOW_SCHEDULES, WINDOW_STARTS),
+        (flow_grpo_config.DIT_KL_TYPES, KL_FNS),
+        (flow_grpo_config.RATIO_NORMS, LOG_RATIOS),
+        (nft_config.NFT_DECAY_TYPES, DECAY_SCHEDULES),
+        (grpo_config.IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING),
+        (grpo_config.LOSS_AGGREGATIONS, AGGREGATIONS),
+        (awm_config.AWM_WEIGHTINGS, awm.WEIGHTINGS),
+        (awm_config.AWM_TIME_TYPES, awm.TIME_TYPES),
+        (awm_config.AWM_ANCHOR_DECAY_TYPES, awm.ANCHOR_DECAY_TYPES),
+        (grpo_config.DECODING_PATHS, DECODING_PATHS),
     ],
 )
 def test_each_choice_list_is_the_keys_of_the_table_it_picks_from(choices, table):
@@ -74,7 +83,7 @@ def test_every_shipped_algorithm_resolves_from_its_config():
     for name, algorithm in ALGORITHMS.items():
         cfg = load_config(config=algorithm.config)
         assert type(cfg) is algorithm.run_config and cfg.algo.name == name
-        assert algorithm_of(cfg) is algorithm and algorithm.trainer_class().component == algorithm.component
+        assert algorithm_of(cfg) is algorithm and issubclass(algorithm.algorithm_class(), AlgorithmBase)
     # A saved config without algo.name (older runs) is its half's first algorithm.
     assert algorithm_of({"component": "ar"}).name == "grpo"
     assert algorithm_of({"component": "dit", "algo": {}}).name == "flow_grpo"
@@ -96,27 +105,21 @@ def toy_loss(
 
 
 @dataclass
-class ToyConfig:
-    """The toy algorithm's settings."""
+class ToyConfig(AlgoConfig):
+    """The toy algorithm's settings: the shared ones (`AlgoConfig`) and its own."""
 
     name: str = option("toy", "the DiT algorithm: toy here")
-    beta: float = option(0.0, "no KL term (read by the shared model setup)")
-    scale_rewards: str = option("group", "advantage scaling")
-    adv_clip_max: float = option(5.0, "advantage clip")
-    num_inner_epochs: int = option(1, "passes over each rollout")
-    num_mini_batches: int = option(1, "optimizer steps per rollout")
-    ema: bool = option(False, "no EMA")
-    ema_decay: float = option(0.9, "unused")
     train_time: float = option(0.5, "the one noise level the update trains at")
 
 
 @dataclass
-class ToyTrainConfig(DiTTrainConfig):
+class ToyTrainConfig(RunConfig):
     """A toy decoder run."""
 
     run_name: str = option("toy", "output folder name")
-    sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)  # type: ignore[assignment]
-    algo: ToyConfig = field(default_factory=ToyConfig)  # type: ignore[assignment]
+    component: str = option("dit", "the half it trains")
+    sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)
+    algo: ToyConfig = field(default_factory=ToyConfig)
 
     def _check_algorithm(self) -> None:
         if not 0 < self.algo.train_time < 1:
@@ -131,51 +134,58 @@ class ToyRollout:
     samples: list
 
 
-class ToyTrainer(DiffusionTrainer):
+class ToyAlgorithm(AlgorithmBase):
+    """A decoder algorithm written as a user would: the decoder's rollout frame, its own loss."""
+
+    def __init__(self, cfg, parts):
+        super().__init__(cfg, parts)
+        self.decoder = DecoderRollout(cfg, parts)
+
+    def rollout(self, group_prompts, group_ids, step, scoring):
+        chunks, _, _, images = self.decoder.sample(group_prompts, group_ids, step, scoring, self.sample_chunk)
+        return ToyRollout(chunks), images
+
     def sample_chunk(self, latents, cond, timesteps, sigmas, step, generator):
-        final = sample_ode(self.trainable, latents, cond, timesteps, sigmas, guidance_scale=1.0)
+        final = sample_ode(self.policy.trainable, latents, cond, timesteps, sigmas, guidance_scale=1.0)
         return keep_for_update(cond, final), final
 
-    def make_rollout(self, chunks, timesteps, sigmas, step):
-        return ToyRollout(chunks)
-
-    def _update(self, batch, step):
+    def update(self, batch, step):
         chunks = batch.rollout.samples
         sizes = [c.final_latents.shape[0] for c in chunks]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        generator = torch.Generator().manual_seed(self.sample_seed(step))
+        generator = torch.Generator().manual_seed(self.collector.sample_seed(step))
 
         def micro_steps(mini):
             total = sum(sizes[m] for m in mini)
             for m in mini:
                 weight = batch.advantages[offsets[m] : offsets[m] + sizes[m]].float()
                 noise = torch.randn(chunks[m].final_latents.shape, generator=generator)
-                yield functools.partial(self._loss_and_backward, chunks[m], noise, weight, total)
+                yield functools.partial(self.loss_and_backward, chunks[m], noise, weight, total)
 
-        update = self.run_update(len(chunks), micro_steps, ("loss",))
-        return self.mean_over_ranks({**update.means, "grad_norm": update.grad_norm})
+        update = self.updates.run(len(chunks), micro_steps, ("loss",))
+        return self.collector.mean_over_ranks({**update.means, "grad_norm": update.grad_norm})
 
-    def _loss_and_backward(self, chunk, noise, weight, total):
+    def loss_and_backward(self, chunk, noise, weight, total):
         x0 = chunk.final_latents.to(self.device)
         t = torch.full((x0.shape[0],), self.cfg.algo.train_time)
         x_t = noised_latents(x0, noise.to(self.device), t.to(self.device))
         timestep = (t * 1000).to(self.device)
-        with self.policy_precision():
-            v = predict_velocity(self.model, x_t, timestep, chunk.cond.to(self.device), 1.0)
+        with self.policy.precision():
+            v = predict_velocity(self.policy.model, x_t, timestep, chunk.cond.to(self.device), 1.0)
             loss_b = toy_loss(v, x0, noise.to(self.device), weight.to(self.device))
-        self.accelerator.backward(loss_b.sum() / total)
+        self.policy.backward(loss_b.sum() / total)
         return {"loss": loss_b.detach().mean()}
 
 
 @pytest.fixture
 def toy_algorithm():
     entry = register_algorithm(
-        Algorithm(
+        AlgorithmSpec(
             name="toy",
             component="dit",
             run_config=ToyTrainConfig,
             schema="toy_schema",
-            trainer=ToyTrainer,
+            algorithm=ToyAlgorithm,
             config="",
         )
     )
@@ -197,7 +207,7 @@ def test_a_registered_toy_algorithm_trains_through_the_entry_point(tmp_path, tin
         "optim.lr=1e-2",
         f"trainer.output_dir={out}",
     ]
-    assert run("dit", "t2i_training", args) == 0  # train_dit.py's own call: the table picks ToyTrainer
+    assert run("dit", "t2i_training", args) == 0  # train_dit.py's own call: the table picks ToyAlgorithm
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1] and rows[0]["loss"] != 0 and rows[0]["grad_norm"] > 0
     ckpt = out / "checkpoints" / "step-000001"

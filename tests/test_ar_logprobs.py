@@ -11,20 +11,22 @@ import torch
 from diffusers import GlmImagePipeline
 from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from glm_training.algorithms.grpo.log_probs import teacher_forced_log_probs
 from glm_training.models.tiny import NUM_VISION_TOKENS
-from glm_training.rollout.ar import (
+from glm_training.pipeline.ar import (
     DECODING_PATHS,
+    decode_first_tokens,
+    image_token_positions,
+    sample_image_tokens,
+)
+from glm_training.pipeline.ar_generate import generation_speed_kwargs
+from glm_training.pipeline.ar_logits import (
     HF_DEFAULT_TEMPERATURE,
     HF_DEFAULT_TOP_K,
     HF_DEFAULT_TOP_P,
     SamplingParams,
-    decode_first_tokens,
-    generation_speed_kwargs,
-    image_token_positions,
     process_logits,
     resolve_sampling_params,
-    sample_image_tokens,
-    teacher_forced_log_probs,
 )
 
 # Two prompts of different lengths, each twice (a GRPO group of 2): the batch is left-padded.

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from glm_training.cli import run
 from glm_training.config import ConfigError, load_config
+from glm_training.engine.trainer import ARTrainer
 from glm_training.metrics import read_metrics
-from glm_training.trainers.ar_trainer import ARTrainer
 
 SMALL = AR_SMALL
 
@@ -39,10 +39,10 @@ SMALL = AR_SMALL
 def test_first_inner_step_ratio_is_exactly_one(tmp_path, sampling):
     cfg = load_config([*SMALL, f"trainer.output_dir={tmp_path}", *sampling], "ar_training")
     trainer = ARTrainer(cfg)
-    batch = trainer._collect(0)
+    batch = trainer.collect(0)
     if cfg.algo.min_group_std > 0:
         assert batch.stats["frac_zero_std_groups"] == 1.0
-    stats = trainer._update(batch, 0)
+    stats = trainer.update(batch, 0)
     assert stats["approx_kl"] == 0.0 and stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
     assert stats["kl"] == 0.0
     # The teacher-forced pass reproduces the sampling distribution (temperature, top-p/top-k, positions).

@@ -1,4 +1,4 @@
-"""AWM's pure functions (`glm_training/algorithms/awm.py`) against the reference's formulas.
+"""AWM's pure functions (`glm_training/algorithms/awm/losses.py`) against the reference's formulas.
 
 Golden values come from two independent formulations: the reference's own expressions
 (`scxue/advantage_weighted_matching`, `scripts/train_sd3_awm.py`: `compute_log_prob_awm` and the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm_training.algorithms.awm import (
+from glm_training.algorithms.awm.losses import (
     WEIGHTINGS,
     advantage_weights,
     anchor_decay,

@@ -1,6 +1,6 @@
-"""AWM end to end (`AWMTrainer`): the tiny default run learns; with the reference's KL terms (base model and
-EMA anchor) resume is bit-exact and the anchor is saved; the config selects the trainer; the
-anchor file round-trips and a missing or foreign one is refused."""
+"""AWM end to end (`DiTTrainer` with the `AWM` algorithm): the tiny default run learns; with the reference's
+KL terms (base model and EMA anchor) resume is bit-exact and the anchor is saved; the config selects the
+algorithm; the anchor file round-trips and a missing or foreign one is refused."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 from conftest import DIT_SMALL
 from safetensors.torch import load_file
 
+from glm_training.algorithms.awm.algorithm import ANCHOR_FILE
+from glm_training.algorithms.decoder.old_policy import OldPolicy
 from glm_training.checkpoint import CheckpointError
 from glm_training.cli import run
 from glm_training.config import AWMTrainConfig, ConfigError, load_config
 from glm_training.metrics import read_metrics
-from glm_training.trainers.awm_trainer import ANCHOR_FILE
-from glm_training.trainers.forward_trainer import OldPolicy
 
 
 @pytest.mark.slow

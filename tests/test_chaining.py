@@ -13,12 +13,11 @@ from safetensors.torch import load_file
 
 from glm_training.cli import run
 from glm_training.config import load_config
+from glm_training.engine.trainer import ARTrainer, DiTTrainer
 from glm_training.evaluate import main as evaluate_main
 from glm_training.export import export, load_pipeline_from_checkpoints
+from glm_training.pipeline.dit import generate_prior_tokens
 from glm_training.priors import PriorCache, build_cache, row_seed
-from glm_training.rollout.dit import generate_prior_tokens
-from glm_training.trainers.ar_trainer import ARTrainer
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 COMMON = [
     "trainer.progress_bar=false",
@@ -117,7 +116,7 @@ def test_live_dit_run_samples_with_the_trained_ar_and_ar_run_renders_with_the_tr
         [*DIT, f"model.ar_weights={ar_full_run}", f"trainer.output_dir={tmp_path / 'dit'}"], "t2i_training"
     )
     dit = DiTTrainer(cfg)
-    _assert_same(_params(dit.wrapper.pipeline.vision_language_encoder), _params(trained_ar))
+    _assert_same(_params(dit.policy.wrapper.pipeline.vision_language_encoder), _params(trained_ar))
     base_ar = GlmImagePipeline.from_pretrained(tiny_model_dir).vision_language_encoder
     assert any(not torch.equal(a, b) for a, b in zip(_params(base_ar).values(), _params(trained_ar).values()))
 
@@ -129,7 +128,7 @@ def test_live_dit_run_samples_with_the_trained_ar_and_ar_run_renders_with_the_tr
     for source in (dit_full_run, exported):
         args = [*AR, f"model.dit_weights={source}", f"trainer.output_dir={tmp_path / ('ar-' + source.name)}"]
         ar = ARTrainer(load_config(args, "ar_training"))
-        params = dict(ar.wrapper.pipeline.transformer.named_parameters())
+        params = dict(ar.policy.wrapper.pipeline.transformer.named_parameters())
         for name, value in trained_dit.items():
             assert torch.equal(params[name].detach(), value), (source, name)
         assert not any(p.requires_grad for p in params.values())

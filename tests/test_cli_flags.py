@@ -11,8 +11,7 @@ from conftest import PYTHON, children_cpu_seconds, run_cli
 from glm_training.cli import run
 from glm_training.config import ConfigError, config_to_yaml, load_config, option
 from glm_training.config.help import field_docs
-from glm_training.trainers.ar_trainer import ARTrainer
-from glm_training.trainers.dit_trainer import DiTTrainer
+from glm_training.engine.trainer import ARTrainer, DiTTrainer
 
 
 def keys(node, prefix=""):
@@ -79,7 +78,9 @@ def test_help_lists_the_groups_and_every_key_with_its_doc():
 @pytest.mark.parametrize("config", ["t2i_training", "ar_training"])
 def test_every_key_of_both_schemas_has_a_doc(config):
     missing = [key for key, cls, name in keys(load_config(config=config)) if not field_docs(cls).get(name)]
-    assert not missing, f"document these fields with option(default, help) in config/schema.py: {missing}"
+    assert not missing, (
+        f"document these fields with option(default, help) in their config dataclass: {missing}"
+    )
 
 
 def test_docs_come_from_the_help_metadata_of_the_fields():

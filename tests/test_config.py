@@ -7,8 +7,10 @@ from conftest import PYTHON, REPO, children_cpu_seconds, run_cli
 
 from glm_training.config import (
     ARTrainConfig,
+    AWMTrainConfig,
     ConfigError,
     DiTTrainConfig,
+    NFTTrainConfig,
     load_config,
 )
 
@@ -23,7 +25,8 @@ def test_there_are_configs_for_both_trainers():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_yaml_composes_to_the_typed_config(name, model):
     cfg = load_config(["--config", f"configs/{name}", f"model={model}"], "t2i_training")
-    expected = ARTrainConfig if name.startswith("ar") else DiTTrainConfig
+    by_prefix = {"ar": ARTrainConfig, "nft": NFTTrainConfig, "awm": AWMTrainConfig}
+    expected = by_prefix.get(name.split("_")[0], DiTTrainConfig)
     assert isinstance(cfg, expected)
     assert cfg.model.name == ("tiny" if model == "tiny" else "zai-org/GLM-Image")
     assert cfg.sampling.height % 32 == 0

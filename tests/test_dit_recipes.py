@@ -10,14 +10,14 @@ from diffusers import GlmImagePipeline
 
 from glm_training.cli import run
 from glm_training.config import ConfigError, DiTSamplingConfig, FlowGRPOConfig, load_config
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.evaluate import eval_sampling
-from glm_training.rollout.dit import (
+from glm_training.pipeline.dit import (
     build_guidance_inputs,
     glm_image_schedule,
     predict_velocity,
     predict_velocity_batched_cfg,
 )
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 HEIGHT = WIDTH = 64
 
@@ -84,14 +84,14 @@ def _trainer(tmp_path, *overrides: str) -> DiTTrainer:
 
 def test_random_window_is_sde_inside_ode_outside_and_trains_each_window_step(tmp_path):
     trainer = _trainer(tmp_path, "sampling.sde_window_size=2", "sampling.sde_window_range=[0,4]")
-    windows = [trainer.sde_window(step) for step in range(30)]
+    windows = [trainer.algorithm.sde_window(step) for step in range(30)]
     assert {w[0] for w in windows} == {0, 1, 2} and all(w[1] == w[0] + 2 for w in windows)
-    batch = trainer._collect(3)
+    batch = trainer.collect(3)
     start = windows[3][0]
     for traj in batch.rollout.trajectories:
         assert traj.step_indices == [start, start + 1]
         assert (traj.log_probs_bs != 0).all()
-    stats = trainer._update(batch, 3)
+    stats = trainer.update(batch, 3)
     assert stats["sde_window_start"] == start and stats["num_train_steps"] == 2
     # Progressive (MixGRPO): slides one step every 2 training steps.
     sliding = _trainer(
@@ -101,7 +101,7 @@ def test_random_window_is_sde_inside_ode_outside_and_trains_each_window_step(tmp
         "sampling.sde_window_schedule=progressive",
         "sampling.sde_window_every=2",
     )
-    assert [sliding.sde_window(step)[0] for step in range(8)] == [0, 0, 1, 1, 2, 2, 0, 0]
+    assert [sliding.algorithm.sde_window(step)[0] for step in range(8)] == [0, 0, 1, 1, 2, 2, 0, 0]
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +156,12 @@ def test_batched_cfg_with_padded_glyphs_differs_measurably_and_no_cfg_is_untouch
 @torch.no_grad()
 def test_batched_cfg_rollout_recomputes_its_own_log_probs_exactly(tmp_path):
     trainer = _trainer(tmp_path, "sampling.batched_cfg=true")
-    batch = trainer._collect(0)
+    batch = trainer.collect(0)
     for traj in batch.rollout.trajectories:
         for j in range(len(traj.step_indices)):
-            assert torch.equal(trainer.policy_step(traj, j, batch.rollout).log_prob, traj.log_probs_bs[:, j])
+            assert torch.equal(
+                trainer.algorithm.policy_step(traj, j, batch.rollout).log_prob, traj.log_probs_bs[:, j]
+            )
 
 
 def test_train_without_cfg_and_evaluate_with_it(tmp_path):
@@ -181,7 +183,7 @@ def test_train_without_cfg_and_evaluate_with_it(tmp_path):
     cfg = load_config(args, "t2i_training")
     assert cfg.sampling.guidance_scale == 1 and eval_sampling(cfg).guidance_scale == 1.5
     trainer = DiTTrainer(cfg)
-    batch = trainer._collect(0)
+    batch = trainer.collect(0)
     assert all(t.cond.negative_embeds is None for t in batch.rollout.trajectories)  # no CFG pass at all
     assert run(DiTTrainer, "t2i_training", [*args[:-1], f"trainer.output_dir={tmp_path / 'run'}"]) == 0
     evaluated = json.loads((tmp_path / "run" / "eval" / "000001.json").read_text())

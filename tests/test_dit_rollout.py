@@ -6,14 +6,10 @@ import pytest
 import torch
 from diffusers import GlmImagePipeline
 
+from glm_training.algorithms.flow_grpo.rollout import sample_trajectory
 from glm_training.config import load_config
-from glm_training.rollout.dit import (
-    build_guidance_inputs,
-    decode_latents,
-    glm_image_schedule,
-    sample_trajectory,
-)
-from glm_training.trainers.dit_trainer import DiTTrainer
+from glm_training.engine.trainer import DiTTrainer
+from glm_training.pipeline.dit import build_guidance_inputs, decode_latents, glm_image_schedule
 
 PROMPT = "a sign that says 'OPEN' above a red door"
 HEIGHT = WIDTH = 64
@@ -147,15 +143,15 @@ def _trainer(tmp_path, *overrides: str) -> DiTTrainer:
 )
 def test_first_ratio_after_a_rollout_is_exactly_one(tmp_path, overrides):
     trainer = _trainer(tmp_path, "algo.num_mini_batches=2", *overrides)
-    batch = trainer._collect(0)
+    batch = trainer.collect(0)
     for traj in batch.rollout.trajectories:
         for j in range(len(traj.step_indices)):
-            new = trainer.policy_step(traj, j, batch.rollout)  # the training path, with gradients
+            new = trainer.algorithm.policy_step(traj, j, batch.rollout)  # the training path, with gradients
             assert new.log_prob.requires_grad
             assert torch.equal(new.log_prob.detach(), traj.log_probs_bs[:, j])
-    stats = trainer._update(batch, 0)
+    stats = trainer.update(batch, 0)
     assert stats["num_optimizer_steps"] == 2  # Flow-GRPO's default: two optimizer steps per rollout
-    first = trainer.last_update.mini_batches[0]  # before any optimizer step: on-policy
+    first = trainer.updates.last.mini_batches[0]  # before any optimizer step: on-policy
     assert first["approx_kl"] == 0.0 and first["ratio_mean"] == 1.0 and first["clip_frac"] == 0.0
     assert first["kl"] == 0.0  # policy == reference before the first optimizer step
     assert stats["grad_norm"] > 0
@@ -163,9 +159,9 @@ def test_first_ratio_after_a_rollout_is_exactly_one(tmp_path, overrides):
 
 def test_the_second_optimizer_step_is_off_policy_and_the_clip_acts(tmp_path):
     trainer = _trainer(tmp_path, "algo.num_mini_batches=2")  # Flow-GRPO's (the tiny YAML takes 1)
-    batch = trainer._collect(0)
-    stats = trainer._update(batch, 0)
-    first, second = trainer.last_update.mini_batches
+    batch = trainer.collect(0)
+    stats = trainer.update(batch, 0)
+    first, second = trainer.updates.last.mini_batches
     assert first["clip_frac"] == 0.0 and first["ratio_mean"] == 1.0
     # After one step at lr 1e-2 the recorded steps' ratios move by far more than clip_range 1e-4.
     assert second["clip_frac"] > 0 and second["approx_kl"] > 0
@@ -174,25 +170,25 @@ def test_the_second_optimizer_step_is_off_policy_and_the_clip_acts(tmp_path):
 
 def test_one_mini_batch_stays_on_policy(tmp_path):
     trainer = _trainer(tmp_path, "algo.num_mini_batches=1")
-    stats = trainer._update(trainer._collect(0), 0)
+    stats = trainer.update(trainer.collect(0), 0)
     assert stats["num_optimizer_steps"] == 1 and stats["clip_frac"] == 0.0 and stats["ratio_mean"] == 1.0
 
 
 def test_every_sde_step_trains_and_the_last_step_is_deterministic(tmp_path):
     # 4 steps: SDE on [0, 3) (the last step is an ODE step, as in Flow-GRPO), and all 3 train.
     trainer = _trainer(tmp_path)
-    batch = trainer._collect(0)
+    batch = trainer.collect(0)
     assert all(t.step_indices == [0, 1, 2] for t in batch.rollout.trajectories)
-    stats = trainer._update(batch, 0)
+    stats = trainer.update(batch, 0)
     assert stats["num_train_steps"] == 3 and stats["sde_window_start"] == 0
 
 
 def test_zero_advantage_samples_leave_the_loss_and_kl(tmp_path):
     """A sample with advantage 0 adds nothing, KL included: the gradient equals that of the others alone."""
     trainer = _trainer(tmp_path, "algo.beta=0.5", "algo.num_mini_batches=1")
-    batch = trainer._collect(0)
+    batch = trainer.collect(0)
     traj, rollout = batch.rollout.trajectories[0], batch.rollout
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    params = [p for p in trainer.policy.model.parameters() if p.requires_grad]
     with torch.no_grad():  # move the policy away from the reference so the KL has a gradient
         for p in params:
             p.add_(0.05 * torch.randn_like(p))
@@ -201,7 +197,7 @@ def test_zero_advantage_samples_leave_the_loss_and_kl(tmp_path):
     def grads(keep, num):
         for p in params:
             p.grad = None
-        values = trainer._loss_and_backward(traj, 0, rollout, adv, keep, num, 1)
+        values = trainer.algorithm.loss_and_backward(traj, 0, rollout, adv, keep, num, 1)
         return torch.cat([p.grad.flatten() for p in params]), values
 
     dropped, dropped_values = grads(torch.tensor([True, False, True]), 2)
@@ -211,9 +207,9 @@ def test_zero_advantage_samples_leave_the_loss_and_kl(tmp_path):
     # Independent: the same loss written out over samples 0 and 2 only.
     for p in params:
         p.grad = None
-    new = trainer.policy_step(traj, 0, rollout)
-    with torch.no_grad(), trainer.reference_model() as reference:
-        ref = trainer.policy_step(traj, 0, rollout, module=reference)
+    new = trainer.algorithm.policy_step(traj, 0, rollout)
+    with torch.no_grad(), trainer.policy.reference_model() as reference:
+        ref = trainer.algorithm.policy_step(traj, 0, rollout, module=reference)
     ratio = torch.exp(new.log_prob - traj.log_probs_bs[:, 0])
     kl = ((new.mean - ref.mean) ** 2).mean(dim=(1, 2, 3)) / (2 * new.std_dev_t.flatten() ** 2)
     loss_b = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)) + 0.5 * kl
@@ -225,7 +221,7 @@ def test_zero_advantage_samples_leave_the_loss_and_kl(tmp_path):
 def test_flat_groups_get_exactly_zero_advantage_and_the_fraction_is_logged(tmp_path):
     trainer = _trainer(tmp_path)
     rewards = torch.tensor([1.0, 2.0, 3.0, 0.1, 0.1, 0.1])  # group 1 is flat; its float32 mean is not 0.1
-    advantages, stats = trainer.global_advantages(rewards, {"r": rewards})
+    advantages, stats = trainer.algorithm.advantages(rewards, {"r": rewards})
     assert advantages[3:].tolist() == [0.0, 0.0, 0.0]
     assert stats["frac_zero_advantage"] == pytest.approx(4 / 6)  # the middle of group 0 is 0 too
     # Flow-GRPO's global std (numpy, population std of all rewards, + 1e-4) is the default scale.
@@ -236,14 +232,18 @@ def test_flat_groups_get_exactly_zero_advantage_and_the_fraction_is_logged(tmp_p
 
 def test_update_moves_probability_towards_high_advantage_samples(tmp_path):
     trainer = _trainer(tmp_path)
-    batch = trainer._collect(0)
+    batch = trainer.collect(0)
     old = torch.cat([t.log_probs_bs for t in batch.rollout.trajectories]).mean(dim=1)
-    trainer._update(batch, 0)
+    trainer.update(batch, 0)
     with torch.no_grad():
         new = torch.cat(
             [
                 torch.stack(
-                    [trainer.policy_step(t, j, batch.rollout).log_prob for j in range(len(t.step_indices))], 1
+                    [
+                        trainer.algorithm.policy_step(t, j, batch.rollout).log_prob
+                        for j in range(len(t.step_indices))
+                    ],
+                    1,
                 )
                 for t in batch.rollout.trajectories
             ]

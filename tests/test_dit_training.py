@@ -11,8 +11,8 @@ from conftest import DIT_SMALL, PYTHON, REPO, assert_resumed_run_matches, run_cl
 from safetensors.torch import load_file
 
 from glm_training.cli import run
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.metrics import read_metrics
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 SMALL = DIT_SMALL
 METRIC_KEYS = {

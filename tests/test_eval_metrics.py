@@ -11,6 +11,7 @@ from conftest import DIT_SMALL
 from glm_training.cli import run
 from glm_training.config import ConfigError, load_config
 from glm_training.data import Prompt
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.evaluate import (
     check_eval_prompts,
     eval_scalars,
@@ -20,7 +21,6 @@ from glm_training.evaluate import (
 )
 from glm_training.image_grid import caption
 from glm_training.rewards.ocr import levenshtein, normalized_edit_distance, word_accuracy
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 # --------------------------------------------------------------------------- the metrics, by hand
 

@@ -9,11 +9,10 @@ import pytest
 from conftest import DIT_SMALL, PYTHON, REPO, run_cli
 
 from glm_training.cli import run
+from glm_training.engine.trainer import ARTrainer, DiTTrainer
 from glm_training.evaluate import main as evaluate_main
 from glm_training.metrics import read_metrics
 from glm_training.rewards.ocr import normalized_edit_distance, word_accuracy
-from glm_training.trainers.ar_trainer import ARTrainer
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 SMALL = [*DIT_SMALL, "logging.images_every_n_steps=0"]
 EVAL = ["eval.num_prompts=3", "eval.batch_size=2"]

@@ -20,9 +20,8 @@ from safetensors.torch import load_file
 
 from glm_training.checkpoint import CheckpointError, resolve_checkpoint
 from glm_training.cli import run
+from glm_training.engine.trainer import ARTrainer, DiTTrainer
 from glm_training.export import load_pipeline_from_checkpoints, main
-from glm_training.trainers.ar_trainer import ARTrainer
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 DIT_SMALL = [
     "trainer.progress_bar=false",

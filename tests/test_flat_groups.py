@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from glm_training.algorithms.advantages import flat_groups, zero_std_groups
+from glm_training.engine.advantages import flat_groups, zero_std_groups
 
 
 def test_flat_groups_golden_values():

@@ -1,4 +1,5 @@
-"""Golden tests for algorithms/flow_grpo.py: KL expressions, GRPO-Guard's ratio, SDE windows, step counts."""
+"""Golden tests for `algorithms/flow_grpo/losses.py`: KL expressions, GRPO-Guard's ratio, SDE windows and
+step counts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from glm_training.algorithms.flow_grpo import (
+from glm_training.algorithms.flow_grpo.losses import (
     KL_FNS,
     LOG_RATIOS,
     exact_kl,
@@ -21,7 +22,7 @@ from glm_training.algorithms.flow_grpo import (
     random_window_start,
     velocity_kl,
 )
-from glm_training.algorithms.sde import SDEStep, flow_sde_step
+from glm_training.algorithms.flow_grpo.sde import SDEStep, flow_sde_step
 
 
 def _latents(*values: float) -> torch.Tensor:

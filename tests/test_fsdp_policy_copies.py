@@ -19,9 +19,9 @@ import torch
 from conftest import DIT_SMALL, REPO, torchrun
 from safetensors.torch import load_file
 
+from glm_training.algorithms.awm.algorithm import ANCHOR_FILE
+from glm_training.algorithms.nft.algorithm import OLD_POLICY_FILE
 from glm_training.metrics import read_metrics
-from glm_training.trainers.awm_trainer import ANCHOR_FILE
-from glm_training.trainers.nft_trainer import OLD_POLICY_FILE
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

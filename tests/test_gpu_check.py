@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 from glm_training import gpu_check
-from glm_training.rollout.ar import DECODING_PATHS
+from glm_training.pipeline.ar import DECODING_PATHS
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_defaults_and_settings_errors():
 KILLED_IN_THE_BUILD = textwrap.dedent(
     """
     import os, signal, sys
-    from glm_training import gpu_check
+    from glm_training.gpu_check import cli as gpu_check  # main looks build_pipeline up in cli
 
     def killed(settings):
         os.kill(os.getpid(), signal.SIGKILL)

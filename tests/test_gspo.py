@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from glm_training.algorithms.gspo import gspo_policy_loss, sequence_log_ratio, sequence_ratio_stats
+from glm_training.algorithms.grpo.gspo import gspo_policy_loss, sequence_log_ratio, sequence_ratio_stats
 from glm_training.algorithms.losses import clipped_policy_loss, masked_seq_mean_token_mean, ratio_stats
 
 

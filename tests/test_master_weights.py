@@ -17,13 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-import glm_training.trainers.reward_trainer as reward_trainer
+import glm_training.engine.policy as policy_module
 from glm_training.cli import run
+from glm_training.engine.trainer import ARTrainer, DiTTrainer
 from glm_training.export import main as export_main
 from glm_training.metrics import read_metrics
 from glm_training.models.master_weights import computing_like_masters, upcast_trained_
-from glm_training.trainers.ar_trainer import ARTrainer
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 # 3 steps at an RL learning rate, one optimizer step each, autocast bf16 in every run.
 LOW_LR = ["trainer.num_steps=3", "trainer.save_every=0", "optim.lr=1e-5", "trainer.mixed_precision=bf16"]
@@ -81,7 +80,7 @@ def test_the_ar_reference_computes_with_the_masters_values(tmp_path, monkeypatch
     # Without it the bf16 reference copy differs from the float32 masters outside autocast (embeddings,
     # norms), and the first KL is not 0: the check above can fail.
     monkeypatch.setattr(
-        reward_trainer, "computing_like_masters", lambda module, names: contextlib.nullcontext()
+        policy_module, "computing_like_masters", lambda module, names: contextlib.nullcontext()
     )
     assert run(ARTrainer, "ar_training", [*args, f"trainer.output_dir={tmp_path / 'plain'}"]) == 0
     assert _first_row(tmp_path / "plain")["kl"] > 0

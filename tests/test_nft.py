@@ -1,18 +1,16 @@
-"""Golden tests of the DiffusionNFT math (`glm_training/algorithms/nft.py`)."""
+"""Golden tests of the DiffusionNFT math (`glm_training/algorithms/nft/losses.py`)."""
 
 import pytest
 import torch
 
-from glm_training.algorithms.nft import (
+from glm_training.algorithms.decoder.forward_math import ema_update_, noised_latents, velocity_kl
+from glm_training.algorithms.nft.losses import (
     adaptive_x0_loss,
-    ema_update_,
     implicit_velocities,
     nft_loss,
-    noised_latents,
     old_model_decay,
     optimality_probability,
     train_time_indices,
-    velocity_kl,
 )
 
 TOL = {"rtol": 1e-6, "atol": 1e-7}

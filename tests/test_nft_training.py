@@ -1,5 +1,5 @@
-"""DiffusionNFT end to end (`NFTTrainer`): the default run learns, resume is exact, LoRA with KL, evaluation
-and export of an NFT run, 2 ranks under torchrun, and the config selects the trainer."""
+"""DiffusionNFT end to end (`DiTTrainer`): the default run learns, resume is exact, LoRA with KL, evaluation
+and export of an NFT run, 2 ranks under torchrun, and the config selects the algorithm."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch
 from conftest import DIT_SMALL, PYTHON, run_cli, torchrun
 from safetensors.torch import load_file
 
+from glm_training.algorithms.nft.algorithm import OLD_POLICY_FILE
 from glm_training.cli import run
 from glm_training.config import ConfigError, NFTTrainConfig, load_config, load_run_config
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.metrics import read_metrics
-from glm_training.trainers.nft_trainer import OLD_POLICY_FILE, NFTTrainer
 
 SMALL = DIT_SMALL
 
@@ -23,7 +24,7 @@ SMALL = DIT_SMALL
 def test_default_nft_run_learns(tmp_path):
     """`python train_dit.py --config configs/nft_training.yaml`, shortened: tiny model, jpeg reward, CPU."""
     # In process, through the entry point's own call (the subprocess path is test_dit_training's).
-    assert run(NFTTrainer, "nft_training", [f"trainer.output_dir={tmp_path}", "trainer.num_steps=20"]) == 0
+    assert run(DiTTrainer, "nft_training", [f"trainer.output_dir={tmp_path}", "trainer.num_steps=20"]) == 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert {"loss", "positive_loss", "negative_loss", "old_decay", "r_mean"} <= set(rows[0])
@@ -42,10 +43,10 @@ def test_default_nft_run_learns(tmp_path):
 def test_nft_resume_is_bit_exact(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     args = [*SMALL, "trainer.save_every=2", "algo.num_mini_batches=2", "sampling.micro_batch_size=3"]
-    assert run(NFTTrainer, "nft_training", [*args, "trainer.num_steps=4", f"trainer.output_dir={full}"]) == 0
-    assert run(NFTTrainer, "nft_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={part}"]) == 0
+    assert run(DiTTrainer, "nft_training", [*args, "trainer.num_steps=4", f"trainer.output_dir={full}"]) == 0
+    assert run(DiTTrainer, "nft_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={part}"]) == 0
     resumed = [*args, "trainer.num_steps=4", f"trainer.output_dir={part}", "trainer.resume=latest"]
-    assert run(NFTTrainer, "nft_training", resumed) == 0
+    assert run(DiTTrainer, "nft_training", resumed) == 0
     final_a, final_b = full / "checkpoints" / "step-000004", part / "checkpoints" / "step-000004"
     a, b = (
         load_file(str(final_a / "trainable.safetensors")),
@@ -70,7 +71,7 @@ def test_lora_nft_with_kl_then_evaluate_and_export(tmp_path):
     lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "algo.beta=0.01"]
     assert (
         run(
-            NFTTrainer,
+            DiTTrainer,
             "nft_training",
             [*SMALL, *lora, "trainer.num_steps=2", f"trainer.output_dir={run_dir}"],
         )
@@ -145,8 +146,8 @@ def test_algo_name_selects_the_schema_and_errors_name_the_fix():
 def test_nft_rollout_is_the_pipelines_ode_and_keeps_only_final_latents(tiny_model_dir, guidance):
     from diffusers import GlmImagePipeline
 
-    from glm_training.rollout.dit import build_guidance_inputs, glm_image_schedule
-    from glm_training.rollout.nft import keep_for_update, sample_ode
+    from glm_training.algorithms.decoder.ode import keep_for_update, sample_ode
+    from glm_training.pipeline.dit import build_guidance_inputs, glm_image_schedule
 
     pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
     prompts = ["a sign that says 'OPEN'"] * 2

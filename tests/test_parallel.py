@@ -1,4 +1,4 @@
-"""The parallelism strategies (`glm_training.parallel`) seen from one process.
+"""The parallelism strategies (`glm_training.distributed.strategies`) seen from one process.
 
 Their multi-rank behaviour runs for real in `test_fsdp.py` (FSDP2 against DDP, 2 ranks under torchrun) and
 the DDP tests; here: which strategy a config gets, and what each answers without a process group.
@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 
 from glm_training.config import load_config
-from glm_training.parallel import DDP, FSDP, STRATEGIES, make_parallelism
+from glm_training.distributed.strategies import DDP, FSDP, STRATEGIES, make_parallelism
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from accelerate import init_empty_weights
 
 from glm_training.config import ModelConfig
-from glm_training.distributed import detect_distributed
+from glm_training.distributed.collectives import detect_distributed
 from glm_training.models.placement import (
     MetaTensorError,
     PlacementError,

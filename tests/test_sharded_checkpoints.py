@@ -25,8 +25,8 @@ from glm_training.checkpoint import (
     verify_checkpoint,
 )
 from glm_training.config import ConfigError, load_config
+from glm_training.engine.trainer import DiTTrainer
 from glm_training.export import main as export_main
-from glm_training.trainers.dit_trainer import DiTTrainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -107,12 +107,12 @@ def test_one_rank_resumes_a_two_rank_sharded_checkpoint(sharded_run, tmp_path):
     first = _step(sharded_run / "full", 1)
     overrides = [*ARGS, f"trainer.output_dir={tmp_path / 'one'}", f"trainer.resume={first}"]
     trainer = DiTTrainer(load_config(overrides))  # one process: ddp
-    params = dict(trainer.trainable.named_parameters())
+    params = dict(trainer.policy.trainable.named_parameters())
     saved = read_trained_weights(first)
     assert saved.keys() == {n for n, p in params.items() if p.requires_grad}
     for name, value in saved.items():
         assert torch.equal(params[name].detach(), value), name
-    state = trainer.optimizer.state
+    state = trainer.policy.optimizer.state
     assert len(state) == len(saved) and all(int(s["step"]) == 1 for s in state.values())
     assert all(s["exp_avg"].abs().sum() > 0 for s in state.values() if s["exp_avg"].numel() > 4)
     assert trainer.train() == tmp_path / "one"

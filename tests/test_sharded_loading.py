@@ -1,4 +1,4 @@
-"""Building the trained half empty, for reading it into shards (`models/sharded_loading.py`), in one process.
+"""Building the trained half empty, for reading it into shards (`distributed/loading.py`), in one process.
 
 The whole path (empty build, LoRA on it, sharding, each rank reading its rows, equality with a whole load bit
 for bit, the KL reference and the offloaded reference too) runs under torchrun in tests/test_fsdp.py; here,
@@ -17,15 +17,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from glm_training.config import load_config
-from glm_training.models.lora import add_lora_adapters
-from glm_training.models.placement import PlacementError
-from glm_training.models.sharded_loading import (
+from glm_training.distributed.loading import (
     check_loadable,
     empty_component,
     file_key,
     materialise_,
     standin_weights,
 )
+from glm_training.models.lora import add_lora_adapters
+from glm_training.models.placement import PlacementError
 from glm_training.plan import loading_host_plan
 
 COMPONENTS = ("transformer", "vision_language_encoder")

@@ -1,14 +1,15 @@
-"""The update loop the trainers share (`RewardTrainer.run_update`): its last-backward rule and its contract.
+"""The update loop every algorithm shares (`engine/update.py`): its last-backward rule and its contract.
 
 The loop itself runs in every training test; `test_dit_rollout.py` reads its per-optimizer-step statistics
-(`trainer.last_update.mini_batches`), and the DDP / FSDP tests check the gradients it accumulates.
+(`trainer.updates.last.mini_batches`), and the DDP / FSDP tests check the gradients it accumulates.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from glm_training.trainers.reward_trainer import RewardTrainer, split_mini_batches, with_last
+from glm_training.algorithms.base import Algorithm
+from glm_training.engine.update import split_mini_batches, with_last
 
 
 def test_with_last_marks_only_the_last_item():
@@ -37,8 +38,8 @@ def test_mini_batches_interleave_and_none_is_empty():
 
 
 def test_a_trainer_without_its_rollout_and_update_cannot_be_built():
-    class Incomplete(RewardTrainer):
-        component = "dit"
+    class Incomplete(Algorithm):
+        pass
 
     with pytest.raises(TypeError, match="abstract"):
-        Incomplete(cfg=None)
+        Incomplete(cfg=None, parts=None)

@@ -1,70 +1,41 @@
 """The algorithm table: each RL algorithm the project trains, and everything that is chosen by its name.
 
-One entry per `algo.name`, read by every consumer: Hydra's ConfigStore (the schema a YAML's defaults list
-names), the loading of a saved run's `config.yaml`, the entry points (which trainer class trains it), the
-memory plan (the extra weight copies it keeps) and `--help`. Adding a decoder algorithm means: its loss in
-`algorithms/`, a trainer class (a `DiffusionTrainer` subclass), its run config in `config/schema.py` and one
-`register_algorithm(Algorithm(...))` here or in the user's own code (`docs/architecture.md`).
+One `AlgorithmSpec` per `algo.name` (`config/spec.py`), declared in its folder
+(`algorithms/<name>/__init__.py`) and listed once in `BUILTIN`; a user registers their own with
+`register_algorithm`. Every consumer reads the table: Hydra's ConfigStore (the schema a YAML's defaults list
+names), the loading of a saved run's `config.yaml`, the engine (which algorithm class it builds), the memory
+plan (the extra weight copies it keeps) and `--help`. Adding a decoder algorithm means its folder in
+`algorithms/`, one line in `BUILTIN`, and its configs, tests and docs (`docs/architecture.md`).
 
-Torch-free: the trainer is named as "module:Class" and imported only when training starts, so `--cfg` and
-`--help` answer without loading torch.
+Torch-free: the folders' `__init__` import only their configs, and the algorithm classes are named as
+"module:Class", imported when training starts, so `--cfg` and `--help` answer without loading torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, fields
 from typing import Any
 
-from glm_training.config.schema import (
-    ARTrainConfig,
-    AWMTrainConfig,
-    ConfigError,
-    DiffusionSamplingConfig,
-    DiTSamplingConfig,
-    DiTTrainConfig,
-    ModelConfig,
-    NFTTrainConfig,
-    _check_choice,
+from glm_training.config.model import ModelConfig
+from glm_training.config.options import ConfigError, _check_choice
+from glm_training.config.spec import AlgorithmSpec, import_named
+
+# The shipped algorithms: the package of each, whose `SPEC` is its row of the table.
+BUILTIN = (
+    "glm_training.algorithms.flow_grpo",
+    "glm_training.algorithms.nft",
+    "glm_training.algorithms.awm",
+    "glm_training.algorithms.grpo",
 )
 
-# Flow-GRPO's SDE sampling keys (DiTSamplingConfig) beyond those every decoder algorithm samples with.
-FLOW_GRPO_SAMPLING_KEYS = tuple(
-    f.name
-    for f in fields(DiTSamplingConfig)
-    if f.name not in {g.name for g in fields(DiffusionSamplingConfig)}
-)
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """One trainable algorithm: its name, the half it trains, its run config and its trainer."""
-
-    name: str  # `algo.name` in its configs
-    component: str  # the half of GLM-Image it trains: "dit" | "ar"
-    run_config: type  # the run config dataclass (its `algo` section has `name` = this name)
-    schema: str  # the run config's name in Hydra's ConfigStore, as YAML defaults lists name it
-    # Its trainer class, or "module:Class" (imported when training starts: the shipped ones are named so).
-    trainer: str | type
-    config: str  # the shipped config in `configs/` that trains it on the tiny model
-    # The extra copies of the trained weights it keeps, by name (the memory plan adds a term for each).
-    policy_copies: tuple[str, ...] = ()
-    # Keys that saved run configs of it may hold but it never read (dropped when a saved config loads).
-    retired_keys: tuple[str, ...] = ()
-
-    def trainer_class(self) -> type:
-        if isinstance(self.trainer, type):
-            return self.trainer
-        module, _, name = self.trainer.partition(":")
-        return getattr(importlib.import_module(module), name)
-
-
-ALGORITHMS: dict[str, Algorithm] = {}
+ALGORITHMS: dict[str, AlgorithmSpec] = {}
 # The algorithm a saved config without `algo.name` was trained with (configs from before the name existed).
 DEFAULT_ALGORITHM = {"dit": "flow_grpo", "ar": "grpo"}
+# The engine's trainer (`engine/trainer.py`), imported when training starts.
+TRAINER = "glm_training.engine.trainer:Trainer"
 
 
-def register_algorithm(algorithm: Algorithm) -> Algorithm:
+def register_algorithm(algorithm: AlgorithmSpec) -> AlgorithmSpec:
     """Add `algorithm` to the table (Hydra gets its run config when a config is next composed)."""
     if algorithm.component not in DEFAULT_ALGORITHM:
         raise ValueError(
@@ -77,60 +48,18 @@ def register_algorithm(algorithm: Algorithm) -> Algorithm:
     return algorithm
 
 
-register_algorithm(
-    Algorithm(
-        name="flow_grpo",
-        component="dit",
-        run_config=DiTTrainConfig,
-        schema="dit_schema",
-        trainer="glm_training.trainers.dit_trainer:DiTTrainer",
-        config="t2i_training",
-    )
-)
-register_algorithm(
-    Algorithm(
-        name="nft",
-        component="dit",
-        run_config=NFTTrainConfig,
-        schema="nft_schema",
-        trainer="glm_training.trainers.nft_trainer:NFTTrainer",
-        config="nft_training",
-        policy_copies=("NFT old model",),  # the old (sampling) model
-        # Before DiffusionNFT had a sampling section of its own it carried Flow-GRPO's SDE keys, unread.
-        retired_keys=tuple(f"sampling.{key}" for key in FLOW_GRPO_SAMPLING_KEYS),
-    )
-)
-register_algorithm(
-    Algorithm(
-        name="awm",
-        component="dit",
-        run_config=AWMTrainConfig,
-        schema="awm_schema",
-        trainer="glm_training.trainers.awm_trainer:AWMTrainer",
-        config="awm_training",
-        policy_copies=("AWM EMA anchor",),  # the KL anchor (algo.ema_beta)
-    )
-)
-register_algorithm(
-    Algorithm(
-        name="grpo",
-        component="ar",
-        run_config=ARTrainConfig,
-        schema="ar_schema",
-        trainer="glm_training.trainers.ar_trainer:ARTrainer",
-        config="ar_training",
-    )
-)
+for _package in BUILTIN:
+    register_algorithm(importlib.import_module(_package).SPEC)
 
 
-def algorithm_named(name: str, component: str | None = None, key: str = "algo.name") -> Algorithm:
+def algorithm_named(name: str, component: str | None = None, key: str = "algo.name") -> AlgorithmSpec:
     """The entry for `name` (of `component`'s algorithms when given); a `ConfigError` naming the choices."""
     choices = tuple(n for n, a in ALGORITHMS.items() if component is None or a.component == component)
     _check_choice(name, choices, key)
     return ALGORITHMS[name]
 
 
-def algorithm_of(cfg: Any) -> Algorithm:
+def algorithm_of(cfg: Any) -> AlgorithmSpec:
     """The entry of a run config (or a saved one: no `algo.name` means its component's first algorithm)."""
     component = _get(cfg, "component", "dit")
     if component not in DEFAULT_ALGORITHM:
@@ -148,7 +77,8 @@ def _get(node: Any, key: str, default: Any) -> Any:
 
 
 def build_trainer(cfg: Any, component: str) -> Any:
-    """The trainer of `cfg`'s algorithm, for the entry point that trains `component` (`train_dit.py`: dit)."""
+    """The trainer of `cfg`, for the entry point that trains `component` (`train_dit.py`: dit); the engine
+    builds the algorithm `algo.name` names."""
     if cfg.component != component:
         script = {"dit": "train_dit.py", "ar": "train_ar.py"}
         raise ConfigError(
@@ -156,7 +86,7 @@ def build_trainer(cfg: Any, component: str) -> Any:
             f"this config trains the {cfg.component} half; run it with {script[cfg.component]}, or give "
             f"{script[component]} a {component} config.",
         )
-    return algorithm_of(cfg).trainer_class()(cfg)
+    return import_named(TRAINER)(cfg)
 
 
 def register_configs() -> None:
@@ -171,7 +101,8 @@ def register_configs() -> None:
 
 __all__ = [
     "ALGORITHMS",
-    "Algorithm",
+    "AlgorithmSpec",
+    "BUILTIN",
     "algorithm_named",
     "algorithm_of",
     "build_trainer",

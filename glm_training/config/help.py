@@ -1,6 +1,6 @@
 """What the entry points print for Hydra's flags: `--help` (groups and every key with its doc) and `--cfg`.
 
-The key docs are the fields' `help` metadata in `config/schema.py` (`option(default, help)`, as TRL's
+The key docs are the fields' `help` metadata (`option(default, help)`, `config/options.py`, as TRL's
 `field(metadata={"help": ...})`), so the help cannot drift from the code. Section headers are the
 dataclasses' docstrings.
 """
@@ -23,7 +23,7 @@ from glm_training.config.loading import (
     available_configs,
     config_to_yaml,
 )
-from glm_training.config.schema import CONFIG_DIR
+from glm_training.config.options import CONFIG_DIR
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -29,7 +29,7 @@ from omegaconf.errors import (
 )
 
 from glm_training.config.algorithms import ALGORITHMS, algorithm_of, register_configs
-from glm_training.config.schema import CONFIG_DIR, ConfigError, _check_choice
+from glm_training.config.options import CONFIG_DIR, ConfigError, _check_choice
 
 
 @dataclass

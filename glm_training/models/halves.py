@@ -8,7 +8,7 @@ the same shape) is described once:
 - the pipeline attribute and the config key that gives a frozen half trained weights (`wrapper.py`,
   `frozen_weights.py`, `export.py`);
 - the submodules the training forward uses, and its repeated layers (the trainers, the memory plan);
-- the FSDP units and the units text-to-image never runs (`sharding.py`, the memory plan);
+- the FSDP units and the units text-to-image never runs (`distributed/sharding.py`, the memory plan);
 - the activation coefficients the memory plan multiplies by layers x tokens x width;
 - the sampling keys that give the decoder's steps and guidance (evaluation).
 
@@ -43,7 +43,7 @@ class ModelHalf:
     shard_units: Modules
     unused_units: Modules  # the shard units text-to-image never runs: sampling leaves them sharded
     # Bytes saved for backward per token per unit of hidden width by one layer in a bf16-autocast LoRA
-    # training forward, and with gradient checkpointing (`plan.py`, `benchmarks/bench_memory.py --calibrate`).
+    # training forward, and with gradient checkpointing (`plan/`, `benchmarks/bench_memory.py --calibrate`).
     activation_coef: float
     checkpoint_coef: float
     # The sampling-config keys holding the number of decoder steps and the guidance scale the images of a

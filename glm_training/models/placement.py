@@ -76,9 +76,9 @@ def plan_placement(
 
     Args:
         device_map: the configured map: "auto", "balanced", "cuda" or "cpu".
-        distributed: from `distributed.detect_distributed`; overrides `device_map`.
+        distributed: from `distributed.collectives.detect_distributed`; overrides `device_map`.
         reason: why the run is (not) distributed, for the log line.
-        device: this process's training device (`distributed.choose_device`).
+        device: this process's training device (`distributed.collectives.choose_device`).
         max_memory_fraction: share of each GPU a multi-GPU map may fill.
     """
     if distributed:
@@ -193,10 +193,8 @@ def describe_module(name: str, module: nn.Module) -> str:
     """One log line: where a component landed, its dtype(s) and its parameter counts.
 
     A component that trains also says how much of it this rank holds, `(<N> local of <M> trainable
-    params)` in M's unit: all of it unsharded, about 1/world under FSDP (`sharding.py`).
+    params)` in M's unit: all of it unsharded, about 1/world under FSDP (`distributed/sharding.py`).
     """
-    from glm_training.sharding import trainable_counts
-
     devices = sorted({str(p.device) for p in module.parameters()} or {"(no parameters)"})
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters()} or {"-"})
     total = sum(p.numel() for p in module.parameters())
@@ -220,3 +218,16 @@ def _human(n: int, scale: int | None = None) -> str:
 
 def parse_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """Elements of `param` this rank holds (its shard under FSDP2, all of it otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def trainable_counts(module: nn.Module) -> tuple[int, int]:
+    """(elements of the trainable parameters held by this rank, elements of the trainable parameters)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return sum(local_numel(p) for p in params), sum(p.numel() for p in params)

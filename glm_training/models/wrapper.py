@@ -12,6 +12,7 @@ A component that a run does not need can be left out (`skip_components`): a DiT 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ from torch import nn
 
 from glm_training.models.halves import HALVES, model_half
 from glm_training.models.placement import PlacementPlan, pipeline_load_kwargs, run_stage
+
+# (model folder, pipeline attribute, dtype) -> (the component built empty, the folder of its weights).
+EmptyBuilder = Callable[[str, str, torch.dtype], tuple[nn.Module, Path]]
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +69,10 @@ class GLMImageWrapper:
         torch_dtype: dtype of every component's weights.
         device_map: what `from_pretrained` receives: "cpu", "balanced" or "cuda" (see `placement.py`;
             "auto" is translated to "balanced" there, as diffusers pipelines do not accept "auto").
-        trained_on_meta: do not read the trained component: build it from its config on the meta device, to
-            be sharded and then read shard by shard (`sharded_loading.py`; `trained_folder` is its folder).
+        build_empty: do not read the trained component: `build_empty(path, attribute, dtype)` builds it from
+            its config on the meta device, to be sharded and then read shard by shard, and returns it with
+            the folder of its weights (`trained_folder`; `distributed/loading.py`'s
+            `empty_trained_component`).
     """
 
     def __init__(
@@ -80,7 +86,7 @@ class GLMImageWrapper:
         stage_timeout_s: float = 1800.0,
         tiny_seed: int = 0,
         skip_components: tuple[str, ...] = (),
-        trained_on_meta: bool = False,
+        build_empty: EmptyBuilder | None = None,
     ):
         trained = model_half(component).attribute  # ValueError naming the halves for another name
         if device_map == "auto":
@@ -102,20 +108,15 @@ class GLMImageWrapper:
         plan = PlacementPlan(False, "wrapper", device_map, None, max_memory)
         kwargs = pipeline_load_kwargs(plan, torch_dtype)
         # diffusers loads nothing for a component passed as None; the pipeline attribute is then None.
-        kwargs.update(dict.fromkeys(self.skipped + ((trained,) if trained_on_meta else ())))
+        kwargs.update(dict.fromkeys(self.skipped + ((trained,) if build_empty else ())))
         self.pipeline = run_stage(
             f"from_pretrained {path} (device_map={device_map})",
             lambda: GlmImagePipeline.from_pretrained(path, **kwargs),
             stage_timeout_s,
         )
-        if trained_on_meta:
-            from glm_training.models import sharded_loading
-
-            folder = sharded_loading.local_pipeline_folder(path)
-            module = sharded_loading.empty_component(folder, trained, torch_dtype)
-            sharded_loading.check_loadable(module, folder / trained)  # before anything is sharded
+        if build_empty is not None:
+            module, self.trained_folder = build_empty(path, trained, torch_dtype)
             self.pipeline.register_modules(**{trained: module})
-            self.trained_folder = folder / trained
         # Set directly: reloading a GenerationConfig from the checkpoint after loading was seen to hang.
         ar = self.pipeline.vision_language_encoder
         if ar is not None and ar.generation_config.pad_token_id is None:
@@ -159,7 +160,7 @@ class GLMImageWrapper:
         return {n: m for n, m in self.components().items() if n != self.trainable_name}
 
     def loaded(self) -> dict[str, nn.Module]:
-        """The components read by `from_pretrained`: all but a trained one built empty (`trained_on_meta`)."""
+        """The components read by `from_pretrained`: all but a trained one built empty (`build_empty`)."""
         return self.frozen() if self.trained_folder is not None else self.components()
 
     def to(self, device: torch.device | str) -> GLMImageWrapper:
@@ -181,15 +182,15 @@ def load_for_training(
     model_path: str | None = None,
     skip_components: tuple[str, ...] = (),
     skip_reason: str = "",
-    trained_on_meta: bool = False,
+    build_empty: EmptyBuilder | None = None,
 ) -> tuple[GLMImageWrapper, PlacementPlan]:
     """Load GLM-Image and place it for training: the one code path for the tiny model and the real one.
 
     Plan (`plan_placement`) -> load with the plan's map -> refuse meta tensors by name -> move only when the
     plan says so -> log where every component landed. `model_path`: `model_cfg.name` already resolved
-    (the trainers resolve it on rank 0 first, so the tiny model is built or a checkpoint fetched once).
-    `skip_components`: frozen components not to load at all (logged with `skip_reason`). `trained_on_meta`:
-    build the trained component empty, to be read into its shards after sharding (`sharded_loading.py`).
+    (the engine resolves it on rank 0 first, so the tiny model is built or a checkpoint fetched once).
+    `skip_components`: frozen components not to load at all (logged with `skip_reason`). `build_empty`: build
+    the trained component empty, to be read into its shards after sharding (`GLMImageWrapper`).
     """
     from glm_training.models.placement import check_no_meta, describe_module, parse_dtype, plan_placement
 
@@ -210,7 +211,7 @@ def load_for_training(
         stage_timeout_s=model_cfg.stage_timeout_s,
         tiny_seed=model_cfg.tiny_seed,
         skip_components=skip_components,
-        trained_on_meta=trained_on_meta,
+        build_empty=build_empty,
     )
     check_no_meta(wrapper.loaded())
     if plan.move_to is not None:

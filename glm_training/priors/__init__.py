@@ -11,7 +11,7 @@ tokens once, ahead of training:
     python train_dit.py data.prior_cache=priors/base ...                           # no AR model loaded
 
 For every prompt of `data.prompt_file` it keeps `num_priors_per_prompt` token sequences, row r sampled by
-the pipeline's own AR stage (`rollout.dit.generate_prior_tokens`, one prompt per call) from the seed
+the pipeline's own AR stage (`pipeline.dit.generate_prior_tokens`, one prompt per call) from the seed
 `row_seed(seed, prompt, r)`; for every held-out prompt (`eval.*`) one sequence, sampled from exactly the seed
 the evaluation uses (`prompt_seed(eval.seed, prompt)`), so a cached evaluation equals a live one. Tokens are
 at the config's resolution (`sampling.height/width`, `eval.height/width`) with the AR model the config names

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from glm_training.pipeline.dit import generate_prior_tokens
 from glm_training.priors.format import (
     MANIFEST_FILE,
     PLAN_FILE,
@@ -30,7 +31,6 @@ from glm_training.priors.format import (
     plan_shards,
     unique_texts,
 )
-from glm_training.rollout.dit import generate_prior_tokens
 
 logger = logging.getLogger("glm_training")
 
@@ -99,10 +99,10 @@ def build_cache(
     cfg: Any, output: Path, *, num_priors: int = 4, seed: int | None = None, shard_size: int = 16
 ) -> Path:
     """Sample the cache of `cfg` (a DiT training config) into `output`; see the module docstring."""
-    from glm_training import distributed as dist
     from glm_training.data import load_prompts
+    from glm_training.distributed import collectives as dist
     from glm_training.evaluate import load_eval_prompts
-    from glm_training.models.frozen_weights import component_fingerprint
+    from glm_training.frozen_weights import component_fingerprint
 
     if getattr(cfg, "component", "dit") != "dit":
         raise PriorCacheError(
@@ -174,7 +174,7 @@ def load_ar_pipeline(model_cfg: Any, device: torch.device) -> Any:
     """The pipeline with only what the AR stage uses (processor, AR model, with `model.ar_weights`)."""
     from diffusers import GlmImagePipeline
 
-    from glm_training.models.frozen_weights import apply_weights_source, resolve_weights_source
+    from glm_training.frozen_weights import apply_weights_source, resolve_weights_source
     from glm_training.models.placement import parse_dtype
     from glm_training.models.wrapper import model_path
 

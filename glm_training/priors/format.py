@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from glm_training.errors import UserError
-from glm_training.rollout.dit import prompt_seed
+from glm_training.pipeline.dit import prompt_seed
 
 VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -104,7 +104,7 @@ def cache_settings(cfg: Any, *, num_priors: int, seed: int, fingerprint: str, we
 
 def ar_sampling_parameters(model_cfg: Any) -> dict:
     """The AR generation settings the pipeline samples with (its `generation_config.json`, do_sample on)."""
-    from glm_training.models.frozen_weights import resolve_weights_source
+    from glm_training.frozen_weights import resolve_weights_source
     from glm_training.models.wrapper import model_path
 
     source = resolve_weights_source(model_cfg, "ar")

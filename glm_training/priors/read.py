@@ -163,7 +163,7 @@ def open_for_dit_run(cfg: Any, prompts: Sequence[Any], eval_prompts: Sequence[An
     if not cfg.data.prior_cache:
         return None
     from glm_training.evaluate import eval_sampling
-    from glm_training.models.frozen_weights import component_fingerprint
+    from glm_training.frozen_weights import component_fingerprint
 
     cache = PriorCache(cfg.data.prior_cache)
     fingerprint, _ = component_fingerprint(cfg.model, "ar")

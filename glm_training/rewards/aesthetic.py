@@ -110,6 +110,7 @@ class AestheticReward(Reward):
         batch_size: images per CLIP forward pass.
     """
 
+    approx_params = 428_000_000  # CLIP ViT-L/14 + linear head: the memory plan's figure
     retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
 
     def __init__(

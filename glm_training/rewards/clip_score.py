@@ -41,6 +41,7 @@ class ClipScoreReward(Reward):
         prefix: text prepended to every prompt ("A photo depicts " in the paper's captioning setup).
     """
 
+    approx_params = 151_000_000  # CLIP ViT-B/32: the memory plan's figure
     retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
 
     def __init__(

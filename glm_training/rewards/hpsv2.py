@@ -186,6 +186,7 @@ class Hpsv2Reward(Reward):
         batch_size: images per forward pass.
     """
 
+    approx_params = 986_000_000  # OpenCLIP ViT-H/14: the memory plan's figure
     retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
 
     def __init__(

@@ -391,6 +391,7 @@ class ImageRewardScorer(Reward):
         batch_size: images per forward pass.
     """
 
+    approx_params = 447_000_000  # BLIP ViT-L + BERT: the memory plan's figure
     retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
 
     def __init__(

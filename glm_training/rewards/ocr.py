@@ -135,6 +135,8 @@ class OcrReward(Reward):
             several ranks share one machine's CPUs.
     """
 
+    approx_params = 250_000_000  # TrOCR-base-sized recogniser (approximate): the memory plan's figure
+
     def __init__(
         self,
         use_det: bool = True,

@@ -45,6 +45,7 @@ class PickScoreReward(Reward):
         scale: positive divisor of the score (Flow-GRPO: 26).
     """
 
+    approx_params = 986_000_000  # CLIP ViT-H/14: the memory plan's figure
     retryable = True  # a transient failure (CUDA OOM, a busy device) is retried: reward.max_retries
 
     def __init__(

@@ -31,6 +31,9 @@ class Reward(abc.ABC):
     # True for scorers whose failures are transient (a server restarting, a CUDA error): they are retried
     # with back-off (`reward.max_retries`, see `rewards/retry.py`). A failing pure function is a bug.
     retryable: bool = False
+    # The approximate parameter count of the model(s) the reward loads, for the memory plan (weights on each
+    # rank, counted in float32); 0 for rewards that load none (a pure function, a remote server).
+    approx_params: int = 0
 
     @abc.abstractmethod
     def __call__(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -81,6 +84,13 @@ def reward_class(name: str) -> type[Reward]:
     return _REGISTRY[name]
 
 
+def reward_model_params(name: str) -> int:
+    """`approx_params` of the reward registered under `name`; 0 for a name not registered (a
+    `module:function` reward)."""
+    cls = _REGISTRY.get(name)
+    return cls.approx_params if cls is not None else 0
+
+
 def check_reward_options(name: str, options: dict[str, Any]) -> None:
     """Check `name` exists and its constructor accepts `options`, without constructing anything."""
     cls = reward_class(name)
@@ -113,7 +123,7 @@ def reward_device(device: str = "auto") -> torch.device:
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
-        from glm_training.distributed import choose_device
+        from glm_training.distributed.collectives import choose_device
 
         return choose_device(local_rank)
     try:

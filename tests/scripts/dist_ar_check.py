@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState
 
-from glm_training import distributed as dist
+from glm_training.algorithms.grpo.dynamic_sampling import DynamicSamplingExhausted
 from glm_training.config import load_config
+from glm_training.distributed import collectives as dist
+from glm_training.engine.trainer import ARTrainer
 from glm_training.rewards import Reward, build_reward, register_reward
-from glm_training.trainers.ar_trainer import ARTrainer, DynamicSamplingExhausted
 
 
 @register_reward("flat_unless_noisy")
@@ -36,20 +37,20 @@ def run_one(overrides: list[str]) -> dict:
     trainer = ARTrainer(load_config(overrides, "ar_training"))
     report: dict = {"rank": trainer.rank}
     try:
-        batch = trainer._collect(0)
+        batch = trainer.collect(0)
     except DynamicSamplingExhausted as err:
         return {**report, "error": str(err)}
     records = batch.rollout.records
     tensors = [v for r in records for v in r.values() if isinstance(v, torch.Tensor)]
-    stats = trainer._update(batch, 0)
+    stats = trainer.update(batch, 0)
     report.update(
         {
             "stats": batch.stats,
             "num_samples": len(records),
             "tensor_devices": sorted({str(t.device) for t in tensors}),
-            "own_device": str(trainer.device),
-            "all_on_own_device": all(dist.same_device(t.device, trainer.device) for t in tensors),
-            "decisions": trainer.last_sampling_decisions,
+            "own_device": str(trainer.policy.device),
+            "all_on_own_device": all(dist.same_device(t.device, trainer.policy.device) for t in tensors),
+            "decisions": trainer.algorithm.last_sampling_decisions,
             "trained_prompts": [p.text for p in batch.prompts],
             "approx_kl": stats.get("approx_kl"),
             "ratio_mean": stats.get("ratio_mean"),

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from glm_training import distributed as dist
 from glm_training.config import load_config
-from glm_training.trainers.dit_trainer import DiTTrainer
+from glm_training.distributed import collectives as dist
+from glm_training.engine.trainer import DiTTrainer
 
 
 def main() -> None:
@@ -23,24 +23,24 @@ def main() -> None:
     trainer = DiTTrainer(cfg)
     rank = trainer.rank
     own_device = dist.choose_device(trainer.accelerator.local_process_index)
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    batch = trainer._collect(0)
+    params = [p for p in trainer.policy.model.parameters() if p.requires_grad]
+    batch = trainer.collect(0)
     prior = torch.cat([t.cond.prior_token_ids for t in batch.rollout.trajectories])
-    _, group_ids = trainer._step_samples(0)
-    stats = trainer._update(batch, 0)
+    _, group_ids = trainer.collector.step_samples(0)
+    stats = trainer.update(batch, 0)
     checksum = sum(float(p.detach().double().sum()) for p in params)
     # The SDE window each rank sampled with at steps 0..2 (a second and third real rollout and update).
     windows = [list(batch.rollout.sde_window)]
     for step in (1, 2):
-        later = trainer._collect(step)
-        trainer._update(later, step)
+        later = trainer.collect(step)
+        trainer.update(later, step)
         windows.append(list(later.rollout.sde_window))
     report = {
         "rank": rank,
         "world_size": trainer.world_size,
-        "wrapped_ddp": isinstance(trainer.model, DistributedDataParallel),
-        "plan_distributed": trainer.placement.distributed,
-        "plan_load_map": trainer.placement.load_device_map,
+        "wrapped_ddp": isinstance(trainer.policy.model, DistributedDataParallel),
+        "plan_distributed": trainer.policy.placement.distributed,
+        "plan_load_map": trainer.policy.placement.load_device_map,
         "params_on_own_device": all(dist.same_device(p.device, own_device) for p in params),
         "num_trainable": sum(p.numel() for p in params),
         "group_ids": group_ids,

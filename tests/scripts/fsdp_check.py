@@ -1,7 +1,7 @@
 """Run under `torchrun --nproc_per_node=2` by tests/test_fsdp.py: several short runs of one trainer.
 
 argv: OUT KIND RUNS_JSON. KIND is "dit" or "ar"; RUNS_JSON maps a run name to its config overrides (which may
-start with `--config-name NAME` for another algorithm's config; its `algo.name` picks the trainer), run in
+start with `--config-name NAME` for another algorithm's config; its `algo.name` picks the algorithm), run in
 order (a later run may resume from an earlier one's checkpoint; a name ending in "!error" must be
 refused, and its message is reported). Each run writes its own output folder
 (the overrides name it); rank r writes `<OUT>/rank<r>.json`: per run, whether the trainable component
@@ -18,11 +18,11 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers.distributed.fsdp import is_fsdp_managed_module
 
-from glm_training import distributed as dist
 from glm_training.config import build_trainer, load_config
+from glm_training.distributed import collectives as dist
 from glm_training.errors import UserError
 from glm_training.models.halves import model_half
-from glm_training.sharding import trainable_counts
+from glm_training.models.placement import trainable_counts
 
 CONFIGS = {"dit": "t2i_training", "ar": "ar_training"}
 
@@ -43,10 +43,10 @@ def main() -> None:
                 continue
             raise AssertionError(f"run {name} was not refused")
         trainer = build_trainer(load_config(overrides, config), kind)
-        local, total = trainable_counts(trainer.trainable)
+        local, total = trainable_counts(trainer.policy.trainable)
         # The dtype the first block's weights have while it runs (FSDP2's policy casts the gathered ones).
         seen = set()
-        unit = model_half(kind).shard_units(trainer.trainable)[0]
+        unit = model_half(kind).shard_units(trainer.policy.trainable)[0]
         hook = unit.register_forward_pre_hook(
             lambda module, args, seen=seen: seen.update(str(p.dtype) for p in module.parameters())
         )
@@ -58,18 +58,18 @@ def main() -> None:
                 if torch.is_tensor(value) and value.is_floating_point():
                     inputs.setdefault(key, set()).add(str(value.dtype))
 
-        input_hook = trainer.trainable.register_forward_pre_hook(record, with_kwargs=True)
+        input_hook = trainer.policy.trainable.register_forward_pre_hook(record, with_kwargs=True)
         trainer.train()
         hook.remove()
         input_hook.remove()
         report[name] = {
-            "sharded": trainer.sharded,
+            "sharded": trainer.policy.sharded,
             "local": local,
             "total": total,
             "dtypes": sorted(seen),
             "input_dtypes": {key: sorted(values) for key, values in inputs.items()},
-            "synced_generation": is_fsdp_managed_module(trainer.trainable),
-            "read_into_shards": trainer.wrapper.trained_folder is not None,
+            "synced_generation": is_fsdp_managed_module(trainer.policy.trainable),
+            "read_into_shards": trainer.policy.wrapper.trained_folder is not None,
         }
     rank = dist.rank_info().rank
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -18,7 +18,7 @@ def _refuse(self, *args, **kwargs):
 transformers.GlmImageForConditionalGeneration.__init__ = _refuse
 
 from glm_training.cli import run  # noqa: E402
-from glm_training.trainers.dit_trainer import DiTTrainer  # noqa: E402
+from glm_training.engine.trainer import DiTTrainer  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run(DiTTrainer, "t2i_training"))

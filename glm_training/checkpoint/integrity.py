@@ -1,0 +1,59 @@
+"""Checkpoint integrity: `hashes.json` records the SHA-256 of every file, and a check against it.
+
+Resume checks the hashes and refuses a checkpoint whose file changed (bit rot, a copy cut short, a file
+edited by hand), naming the file (`resume.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from glm_training.checkpoint.layout import HASHES_FILE, SHARDS_DIR, STATE_FILE
+
+logger = logging.getLogger("glm_training.checkpoint")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_hashes(folder: Path) -> None:
+    """Record the SHA-256 of every file in `folder` and its shards folder (before the state file marks it
+    complete), by path relative to `folder`."""
+    skip = (STATE_FILE, HASHES_FILE)
+    names = sorted(
+        p.relative_to(folder).as_posix()
+        for p in [
+            *folder.iterdir(),
+            *((folder / SHARDS_DIR).iterdir() if (folder / SHARDS_DIR).is_dir() else []),
+        ]
+        if p.is_file() and p.name not in skip
+    )
+    hashes = {name: file_sha256(folder / name) for name in names}
+    (folder / HASHES_FILE).write_text(json.dumps(hashes, indent=1), encoding="utf-8")
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every recorded file is present with its recorded hash; else what is wrong, naming the file."""
+    hashes_file = Path(path) / HASHES_FILE
+    if not hashes_file.is_file():
+        logger.warning("checkpoint %s has no %s (an older version wrote it): not verified", path, HASHES_FILE)
+        return None
+    try:
+        hashes = json.loads(hashes_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return f"'{hashes_file}' is damaged"
+    for name, expected in sorted(hashes.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"'{file}' is missing"
+        if file_sha256(file) != expected:
+            return f"'{file}' does not match its recorded SHA-256 (damaged or changed since it was written)"
+    return None

@@ -1,0 +1,114 @@
+"""`RunConfig`, the sections every run has, and `AlgoConfig`, what every algorithm's `algo` section has.
+
+A run config is `RunConfig` with its algorithm's `sampling` and `algo` dataclasses
+(`algorithms/<name>/config.py`); the engine reads only the fields `AlgoConfig` declares (advantages, the
+update loop, the KL reference, EMA), so an algorithm's section adds its own fields and changes defaults, and
+the shared checks run once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from glm_training.config.model import ModelConfig
+from glm_training.config.options import RUN_NAME_HELP, SCALE_REWARDS, _check, _check_choice, option
+from glm_training.config.schema import (
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    OptimConfig,
+    RewardConfig,
+    TrainerConfig,
+)
+
+# The error of a run config given to the other half's entry point.
+_COMPONENT_ERRORS = {
+    "dit": "train_dit.py trains the DiT; use train_ar.py for 'ar'.",
+    "ar": "train_ar.py trains the AR model; use train_dit.py for 'dit'.",
+}
+
+
+@dataclass
+class AlgoConfig:
+    """The `algo` fields the engine reads; an algorithm's section redeclares a field to change its default."""
+
+    name: str = option("", "the algorithm, as the algorithm table names it")
+    beta: float = option(0.0, "KL coefficient to the reference model (0 = no reference pass)")
+    scale_rewards: str = option(
+        "group",
+        "advantages: group = (r - group mean) / (group std + 1e-4); batch = the std of all rewards; none = "
+        "centred only",
+    )
+    adv_clip_max: float = option(5.0, "advantages are clipped to [-adv_clip_max, adv_clip_max]")
+    num_inner_epochs: int = option(1, "passes over each rollout's samples")
+    num_mini_batches: int = option(1, "optimizer steps per rollout (1 = fully on-policy)")
+    ema: bool = option(
+        False, "keep an exponential moving average of the trained weights (evaluated, exported)"
+    )
+    ema_decay: float = option(0.9, "EMA decay per optimizer step")
+
+    def __post_init__(self) -> None:
+        # The section's own algorithm: its `name` default. Another name needs its own schema.
+        own = type(self).__dataclass_fields__["name"].default
+        _check(self.name == own, "algo.name", self.other_schema_hint(own))
+        _check(self.beta >= 0, "algo.beta", "must be >= 0.")
+        _check_choice(self.scale_rewards, SCALE_REWARDS, "algo.scale_rewards")
+        _check(self.adv_clip_max > 0, "algo.adv_clip_max", "must be > 0.")
+        _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
+        _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
+        _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+
+    def other_schema_hint(self, own: str) -> str:
+        """The error when `algo.name` is not this section's algorithm."""
+        return (
+            f"this schema trains '{own}'; '{self.name}' has its own config (train_dit.py --help lists them)."
+        )
+
+
+@dataclass
+class RunConfig:
+    """The sections of every run config; a run config names its own `sampling` and `algo` dataclasses and the
+    `component` (the half it trains) as its field's default."""
+
+    run_name: str = option("run", RUN_NAME_HELP)
+    component: str = option("", "the half of GLM-Image that trains: dit | ar")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampling: Any = None
+    algo: Any = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        own = type(self).__dataclass_fields__["component"].default
+        if own:
+            _check(self.component == own, "component", _COMPONENT_ERRORS[own])
+        self._check_precision()
+        self._check_algorithm()
+
+    def _check_precision(self) -> None:
+        m = self.model
+        if m.keeps_master_weights():
+            # The weights' dtype is model.dtype: computing "without mixed precision" means computing in it.
+            compute = {"bfloat16": "bf16", "float16": "fp16"}[m.dtype]
+            if self.trainer.mixed_precision == "no":
+                self.trainer.mixed_precision = compute
+            _check(
+                self.trainer.mixed_precision == compute,
+                "trainer.mixed_precision",
+                f"full fine-tuning of a {m.dtype} model keeps float32 master weights and computes in "
+                f"{m.dtype}: set trainer.mixed_precision={compute} (or model.fp32_master_weights=false to "
+                f"train the {m.dtype} weights themselves, or model.lora.enabled=true).",
+            )
+
+    def _check_algorithm(self) -> None:
+        """The rules that tie the algorithm to the other sections (each run config may add its own)."""
+
+    def rollout_latents_per_sample(self) -> tuple[int, str]:
+        """(latent tensors a decoder rollout keeps per sample for the update, what they are): the memory
+        plan's. The algorithms on the forward process keep the clean latents the update noises again."""
+        return 1, "1 final latent"

@@ -1,0 +1,154 @@
+"""`Checkpointer`: a run's checkpoints over the policy's state and the algorithm's own
+(`glm_training/checkpoint/` writes and reads the files: atomic, hashed, sharded under FSDP).
+
+Saving is collective. With `trainer.async_save` a checkpoint's sharded weights and optimizer state may be
+written in the background; it becomes final at the next save (or the run's end), so at most one is in flight.
+Resuming: rank 0 checks the hashes and tells the others which checkpoint to load, or the error, so that no
+rank waits in a collective for one that failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from glm_training.checkpoint import (
+    CheckpointError,
+    find_resume,
+    later_checkpoints,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    read_checkpoint_state,
+    save_checkpoint,
+    set_aside,
+)
+from glm_training.config import config_to_yaml
+from glm_training.distributed import collectives as dist
+
+logger = logging.getLogger("glm_training")
+
+
+def resolve_output_dir(cfg: Any, is_main: bool) -> Path:
+    """The run's folder (chosen once by rank 0 when `trainer.output_dir` is empty); refused when it already
+    holds another run's checkpoints and `trainer.resume` is not set."""
+    name = cfg.trainer.output_dir
+    if not name:
+        name = dist.broadcast_object(f"outputs/{cfg.run_name}-{datetime.now():%Y%m%d-%H%M%S}")
+    path = Path(name).expanduser()
+    if cfg.trainer.resume is None and list_checkpoints(path):
+        raise FileExistsError(
+            f"'{path}' already holds checkpoints of another run; continue it with trainer.resume=latest, "
+            "or choose a new trainer.output_dir (checkpoints are never overwritten)."
+        )
+    if is_main:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    logger.info("outputs go to %s", path)
+    return path
+
+
+class Checkpointer:
+    """Saves and resumes `policy` (weights, optimizer, schedule, EMA) and `algorithm`'s own state
+    (`algorithm.state()`: {file name: object}, restored by `algorithm.load_state(folder)`)."""
+
+    def __init__(self, cfg: Any, output_dir: Path, policy: Any, algorithm: Any, rank: int, is_main: bool):
+        self.cfg = cfg
+        self.output_dir = output_dir
+        self.policy = policy
+        self.algorithm = algorithm
+        self.rank = rank
+        self.is_main = is_main
+        self.pending = None  # a checkpoint being written in the background (trainer.async_save)
+        self.background_group = None
+
+    def save(self, step: int, at_once: bool = True) -> None:
+        """Write the checkpoint of `step` (every rank); see the module docstring for `at_once`."""
+        self.finish_pending()
+        background = None
+        if self.cfg.trainer.async_save and not at_once:
+            if self.background_group is None:
+                # Collective: every rank, at the same step.
+                self.background_group = dist.background_group(self.cfg.trainer.dist_timeout_s)
+            background = self.background_group
+            logger.info("checkpoint of step %d: writing in the background", step)
+        policy = self.policy
+        self.pending = save_checkpoint(
+            self.output_dir,
+            step,
+            module=policy.trainable,
+            optimizer=policy.optimizer,
+            lr_scheduler=policy.lr_scheduler,
+            ema_state=policy.parallel.ema_state(policy.ema) if policy.ema is not None else None,
+            config_yaml=config_to_yaml(self.cfg),
+            component=policy.component,
+            rank=self.rank,
+            is_main=self.is_main,
+            barrier=dist.barrier,
+            parallel=policy.parallel,
+            extra_files=self.algorithm.state(),
+            background_group=background,
+        )
+        if self.pending.done:
+            self._after_checkpoint()
+
+    def finish_pending(self) -> None:
+        """Collective: wait for the checkpoint being written in the background, if any, and make it final."""
+        if self.pending is not None and not self.pending.done:
+            self.pending.finish()
+            self._after_checkpoint()
+
+    def _after_checkpoint(self) -> None:
+        if self.is_main:
+            prune_checkpoints(self.output_dir, self.cfg.trainer.keep_last)
+        dist.barrier()
+
+    def resume(self) -> int:
+        """Load `trainer.resume`'s checkpoint into the policy and the algorithm; the step it was written at
+        (0 without `trainer.resume`)."""
+        resume = self.cfg.trainer.resume
+        if not resume:
+            return 0
+        choice: tuple[str, str] = ("", "")
+        if self.is_main:
+            try:
+                choice = (str(self._resume_point(resume)), "")
+            except CheckpointError as err:
+                choice = ("", str(err))
+        path_str, error = dist.broadcast_object(choice)
+        if error:
+            raise CheckpointError(error)
+        path = Path(path_str)
+        policy = self.policy
+        step, ema_state = load_checkpoint(
+            path,
+            module=policy.trainable,
+            optimizer=policy.optimizer,
+            lr_scheduler=policy.lr_scheduler,
+            rank=self.rank,
+            parallel=policy.parallel,
+        )
+        if policy.ema is not None and ema_state is not None:
+            policy.parallel.load_ema_state(policy.ema, ema_state)
+        self.algorithm.load_state(path)
+        logger.info("resumed from %s at step %d", path, step)
+        return step
+
+    def _resume_point(self, resume: str) -> Path:
+        """Rank 0: the checkpoint to resume from. The damaged ones `latest` passed over are set aside (so the
+        run writes their steps again); later intact ones in this run's folder, which the run would have to
+        overwrite, are refused before the first step."""
+        path, damaged = find_resume(resume, self.output_dir)
+        for checkpoint in damaged:
+            set_aside(checkpoint)
+        later = later_checkpoints(self.output_dir, read_checkpoint_state(path)["step"])
+        if later:
+            raise CheckpointError(
+                f"trainer.resume='{resume}' is {path.name}, but '{self.output_dir}' already holds the later "
+                f"checkpoints {[p.name for p in later]}, which this run would write again (checkpoints are "
+                "never overwritten); resume with trainer.resume=latest, or write this run to a new "
+                "trainer.output_dir."
+            )
+        return path

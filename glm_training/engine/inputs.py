@@ -1,0 +1,65 @@
+"""A run's inputs, read and checked before any model loads: prompts, rewards, held-out prompts and the
+rewards watched on them, and the DiT's cached prior tokens. Everything that can be wrong with them fails
+here, with the key and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from glm_training.config import ConfigError
+from glm_training.data import load_prompts
+from glm_training.evaluate import check_eval_prompts, load_eval_prompts, text_recogniser, watched_reward_set
+from glm_training.priors import open_for_dit_run
+from glm_training.rewards import RewardSet
+from glm_training.rewards.combine import RewardFuncs, rewards_from_python
+
+logger = logging.getLogger("glm_training")
+
+
+class RunInputs:
+    """`cfg`'s prompts and rewards. `reward_funcs` (Python API, as TRL's): functions, `Reward` objects or
+    reward names that replace `reward.names`, weighted by `reward_weights` (default 1.0 each); `cfg` then
+    becomes the config that records them (`rewards.combine.rewards_from_python`)."""
+
+    def __init__(
+        self, cfg: Any, reward_funcs: RewardFuncs | None = None, reward_weights: list[float] | None = None
+    ):
+        self.prompts = load_prompts(cfg.data.resolved_prompt_file())
+        if reward_funcs is None:
+            self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options, cfg.reward.combine)
+        else:
+            self.rewards, reward_cfg = rewards_from_python(cfg.reward, reward_funcs, reward_weights)
+            cfg = dataclasses.replace(cfg, reward=reward_cfg)  # config.yaml records them
+        self.cfg = cfg
+        self.rewards.check_prompts([p.text for p in self.prompts], [p.metadata for p in self.prompts])
+        self.eval_prompts = load_eval_prompts(cfg.eval) if cfg.eval.every_n_steps else []
+        self.watched_rewards = watched_reward_set(cfg) if self.eval_prompts else None
+        self.text_recogniser = None
+        if self.eval_prompts:
+            check_eval_prompts(self.eval_prompts, [self.rewards, self.watched_rewards], cfg.eval.text_metrics)
+            if cfg.eval.text_metrics:
+                self.text_recogniser = text_recogniser([self.rewards, self.watched_rewards])
+        elif cfg.eval.watch_rewards or cfg.eval.text_metrics:
+            logger.warning("eval.watch_rewards and eval.text_metrics are ignored: eval.every_n_steps=0")
+
+    def close(self) -> None:
+        self.rewards.close()
+        if self.watched_rewards is not None:
+            self.watched_rewards.close()
+
+
+def open_priors(cfg: Any, component: str, inputs: RunInputs) -> tuple[Any, tuple[tuple[str, ...], str]]:
+    """The DiT's prior-token cache (`data.prior_cache`, checked against the run before the DiT loads) or None,
+    and the frozen components the run then never loads, with why (for the load log)."""
+    if component != "dit":
+        if cfg.data.prior_cache:
+            raise ConfigError(
+                "data.prior_cache", f"is for train_dit.py; the {component} trainer samples its own tokens."
+            )
+        return None, ((), "")
+    cache = open_for_dit_run(cfg, inputs.prompts, inputs.eval_prompts)
+    if cache is None:
+        return None, ((), "")
+    return cache, (("vision_language_encoder",), f"prior tokens from data.prior_cache={cfg.data.prior_cache}")

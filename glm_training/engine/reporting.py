@@ -1,0 +1,122 @@
+"""What a run reports: evaluation on held-out prompts, the progress bar or log line, tracker scalars and
+sample grids. `metrics.jsonl` is written by the loop (`MetricsWriter`), one row per step."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glm_training.evaluate import (
+    eval_sampling,
+    eval_scalars,
+    evaluate_prompts,
+    grid_samples,
+    write_evaluation,
+)
+from glm_training.image_grid import caption
+
+logger = logging.getLogger("glm_training")
+
+
+class Evaluation:
+    """Evaluates the policy (its EMA weights when EMA is on) on the held-out prompts at step 0, every
+    `eval.every_n_steps` and at the end; nothing without `eval.every_n_steps`."""
+
+    def __init__(self, cfg: Any, inputs: Any, policy: Any, tracker: Any, output_dir: Path, priors: Any):
+        self.cfg = cfg
+        self.inputs = inputs
+        self.policy = policy
+        self.tracker = tracker
+        self.output_dir = output_dir
+        self.prior_tokens = None if priors is None else priors.eval_tokens
+
+    def maybe_run(self, step: int, rank: int, world_size: int, is_main: bool) -> dict[str, float]:
+        every = self.cfg.eval.every_n_steps
+        if not every or not (step % every == 0 or step == self.cfg.trainer.num_steps):
+            return {}
+        policy, inputs = self.policy, self.inputs
+        # The pipeline's AR stage reseeds the global RNG; training's random streams must not notice.
+        with (
+            policy.eval_weights(),
+            policy.parallel.sampling(policy.trainable),
+            # Float32 masters in a bf16 pipeline compute under the policy's autocast, as in training.
+            policy.precision()
+            if policy.master_names
+            else policy.parallel.evaluation_precision(policy.precision),
+            torch.random.fork_rng(devices=self._rng_devices()),
+        ):
+            result, images = evaluate_prompts(
+                policy.wrapper.pipeline,
+                inputs.eval_prompts,
+                inputs.rewards,
+                eval_sampling(self.cfg),
+                device=policy.device,
+                rank=rank,
+                world_size=world_size,
+                num_grid_images=self.cfg.eval.num_grid_images,
+                prior_tokens=self.prior_tokens,
+                equal_calls=policy.parallel.equal_calls,
+                watched=inputs.watched_rewards,
+                recogniser=inputs.text_recogniser,
+            )
+        scalars = eval_scalars(result)
+        if is_main:
+            grid_images, captions = grid_samples(result, images, self.cfg.eval.num_grid_images)
+            write_evaluation(self.output_dir / "eval", step, result, grid_images, captions)
+            self.tracker.log_images(step, "eval/samples", grid_images, captions)
+            logger.info("eval at step %d: reward %.4g", step, scalars["eval/reward_mean"])
+        return scalars
+
+    def _rng_devices(self) -> list[int]:
+        device = self.policy.device
+        return [device.index or 0] if device.type == "cuda" else []
+
+
+class Progress:
+    """The progress bar (or a log line per step on rank 0 without one), tracker scalars, and every
+    `logging.images_every_n_steps` steps a grid of the step's samples."""
+
+    def __init__(self, cfg: Any, tracker: Any, is_main: bool, start_step: int, component: str):
+        self.cfg = cfg
+        self.tracker = tracker
+        self.is_main = is_main
+        self.bar = None
+        if is_main and cfg.trainer.progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=cfg.trainer.num_steps, initial=start_step, desc=f"{component} GRPO", unit="step"
+            )
+
+    def log(self, record: dict[str, Any], preview: tuple[list, list[str], list[float]] | None) -> None:
+        step = record["step"]
+        if self.bar is not None:
+            self.bar.set_postfix(
+                reward=f"{record['reward_mean']:.4g}",
+                loss=f"{record.get('loss', math.nan):.3g}",
+                step_s=f"{record['step_time_s']:.2f}",
+            )
+            self.bar.update(1)
+        elif self.is_main:
+            logger.info(
+                "step %d/%d reward %.4g (%.2f s/step)",
+                step,
+                self.cfg.trainer.num_steps,
+                record["reward_mean"],
+                record["step_time_s"],
+            )
+        self.tracker.log_scalars(step, record)
+        every = self.cfg.logging.images_every_n_steps
+        if self.is_main and every and preview and (step % every == 0 or step == 1):
+            images, texts, rewards = (x[: self.cfg.logging.num_images] for x in preview)
+            self.tracker.log_images(
+                step, "train/samples", list(images), [caption(t, r) for t, r in zip(texts, rewards)]
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,276 @@
+"""`Trainer`: the loop of every GLM-Image reward run, composed of parts, each built from its own config.
+
+    inputs (prompts, rewards: checked before loading) -> policy (the trained half, placed, sharded, wrapped)
+    -> algorithm (`algo.name` in the algorithm table, built from the parts) -> checkpoints (resume)
+    then per step:  collect (rollout -> rewards -> advantages) -> update -> log -> evaluate -> checkpoint
+
+The algorithm is any object with `collect(step) -> Batch`, `update(batch, step) -> stats`, `state()` and
+`load_state(folder)` (`algorithms/base.py`); the engine never asks which algorithm runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from glm_training.config import ConfigError, config_to_yaml
+from glm_training.config.algorithms import algorithm_of
+from glm_training.distributed import collectives as dist
+from glm_training.distributed.strategies import make_parallelism
+from glm_training.engine.checkpointing import Checkpointer, resolve_output_dir
+from glm_training.engine.collect import Batch, Collector
+from glm_training.engine.inputs import RunInputs, open_priors
+from glm_training.engine.parts import Parts
+from glm_training.engine.policy import Policy
+from glm_training.engine.reporting import Evaluation, Progress
+from glm_training.engine.update import UpdateLoop
+from glm_training.environment import log_environment
+from glm_training.guards import SkipCounter
+from glm_training.logs import setup_logging
+from glm_training.metrics import MetricsWriter
+from glm_training.plan import log_memory_plan
+from glm_training.preemption import StopSignals
+from glm_training.rewards.combine import RewardFuncs
+from glm_training.rewards.retry import FailurePolicy, RewardFailed
+from glm_training.tracking import build_tracker
+
+logger = logging.getLogger("glm_training")
+
+
+class Trainer:
+    """A reward run of `cfg` (a `DiTTrainConfig`, `ARTrainConfig`, ... from `load_config`).
+
+    `reward_funcs` / `reward_weights`: rewards from Python (`engine/inputs.py`). `pipeline`: an already-built
+    GlmImagePipeline to train instead of loading `model.name`. `priors`: where the DiT's prior tokens come
+    from instead of its AR model or `data.prior_cache` (`Parts.priors`). `algorithm`: the algorithm class,
+    instead of the table's entry for `algo.name`.
+    """
+
+    component: str = ""  # set by `DiTTrainer` / `ARTrainer`: the half their configs must train
+
+    def __init__(
+        self,
+        cfg: Any,
+        reward_funcs: RewardFuncs | None = None,
+        reward_weights: list[float] | None = None,
+        *,
+        pipeline: Any = None,
+        priors: Any = None,
+        algorithm: type | None = None,
+    ):
+        if self.component and cfg.component != self.component:
+            raise ConfigError(
+                "component",
+                f"{type(self).__name__} trains the {self.component} half; this config trains "
+                f"the {cfg.component} half.",
+            )
+        setup_logging(dist.rank_info().rank == 0)
+        self.inputs = RunInputs(cfg, reward_funcs, reward_weights)
+        self.cfg = cfg = self.inputs.cfg
+        self.rewards = self.inputs.rewards
+        cfg.data.per_rank_samples(dist.rank_info().world_size)  # refuses a split the ranks cannot share
+        self._start_engine()
+        self.output_dir = resolve_output_dir(cfg, self.is_main)
+        self.metrics = MetricsWriter(self.output_dir, self.is_main)
+        if self.is_main:
+            (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+        self.memory_plan = log_memory_plan(cfg, self.accelerator)  # on GPUs: stops here if it cannot fit
+        self.priors, skip = (
+            open_priors(cfg, cfg.component, self.inputs) if priors is None else (priors, ((), ""))
+        )
+        self.policy = Policy(
+            cfg, cfg.component, self.accelerator, self.parallel, self.placement_context, skip, pipeline
+        )
+        self.updates = UpdateLoop(self.policy, cfg.algo.num_inner_epochs, cfg.algo.num_mini_batches)
+        self.collector = Collector(cfg, self.inputs.prompts, self.rewards, self.rank, self.world_size)
+        algorithm_cls = algorithm or algorithm_of(cfg).algorithm_class()
+        self.algorithm = algorithm_cls(cfg, Parts(self.policy, self.updates, self.collector, self.priors))
+        self.checkpoints = Checkpointer(
+            cfg, self.output_dir, self.policy, self.algorithm, self.rank, self.is_main
+        )
+        self.start_step = self.checkpoints.resume()
+        if self.start_step:
+            self.metrics.truncate_after(self.start_step)  # rows of steps the run will write again
+        self.policy.wrapper.pipeline.set_progress_bar_config(disable=True)
+        self.tracker = build_tracker(
+            is_main=self.is_main,
+            output_dir=self.output_dir,
+            run_name=cfg.run_name,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_entity=cfg.logging.wandb_entity,
+            wandb_mode=cfg.logging.wandb_mode,
+            start_step=self.start_step,
+        )
+        self.evaluation = Evaluation(
+            cfg, self.inputs, self.policy, self.tracker, self.output_dir, self.priors
+        )
+
+    def _start_engine(self) -> None:
+        """The distributed engine (accelerate), this process's rank and the parallelism strategy."""
+        cfg = self.cfg
+        self.placement_context = dist.detect_distributed(strategy=cfg.trainer.strategy)
+        self.accelerator = dist.make_accelerator(
+            mixed_precision=cfg.trainer.mixed_precision,
+            # Loading (rank 0 may download while the others wait) has its own bound; `train()` then
+            # tightens every collective to trainer.dist_timeout_s.
+            timeout_s=max(cfg.trainer.dist_timeout_s, cfg.model.stage_timeout_s),
+            seed_everything=cfg.trainer.seed,
+        )
+        self.rank = self.accelerator.process_index
+        self.world_size = self.accelerator.num_processes
+        self.parallel = make_parallelism(cfg.trainer, self.accelerator, cfg.component)
+        self.is_main = self.accelerator.is_main_process
+        log_environment(cfg, self.accelerator.device)  # bf16 on a CPU without it; packages off the lock
+
+    # -------------------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> Path:
+        """Run steps `start_step .. num_steps`; stop early, with a checkpoint, on SIGTERM / SIGUSR1.
+
+        Once per step every rank reaches two agreement points (one all-reduce each): after the rollout,
+        whether any rank's reward failed (skip the update, or stop; `reward.on_failure`), and after the
+        update, whether any rank was asked to stop. A collective that fails because another rank died or
+        stalled is re-raised as `distributed.collectives.CollectiveFailure`, naming this rank, the step and
+        the phase.
+        """
+        cfg, r = self.cfg.trainer, self.cfg.reward
+        self.rewards.policy = FailurePolicy(r.max_retries, r.retry_backoff_s, r.on_failure, r.on_nonfinite)
+        if self.inputs.watched_rewards is not None:
+            self.inputs.watched_rewards.policy = self.rewards.policy  # retried as the training rewards are
+        dist.set_collective_timeout(cfg.dist_timeout_s)
+        signals = StopSignals()
+        signals.install()
+        skips = SkipCounter(cfg.max_consecutive_skips)
+        progress = Progress(self.cfg, self.tracker, self.is_main, self.start_step, self.cfg.component)
+        failed = True
+        try:
+            if self.start_step == 0:
+                dist.set_phase("evaluation", 0)
+                self.tracker.log_scalars(0, self.evaluate(0))  # the base model's numbers
+            for step in range(self.start_step, cfg.num_steps):
+                if self.train_step(step, progress, skips, signals):
+                    break
+            self.checkpoints.finish_pending()
+            failed = False
+        except Exception as err:
+            if not dist.is_collective_failure(err):
+                raise
+            message = dist.describe_failure(err, cfg.dist_timeout_s)
+            logger.error(message)
+            raise dist.CollectiveFailure(message) from err
+        finally:
+            signals.restore()
+            progress.close()
+            self.tracker.close(failed=failed)
+            self.inputs.close()
+        dist.set_phase("shutdown")
+        dist.barrier()
+        return self.output_dir
+
+    def train_step(self, step: int, progress: Progress, skips: SkipCounter, signals: StopSignals) -> bool:
+        """One step: collect, update (unless a reward failed), log, evaluate, checkpoint. True = stop here."""
+        start = time.perf_counter()
+        dist.set_phase("rollout", step + 1)
+        # A reward's error is held (NaN scores) until every rank has collected: then all act on it together.
+        with self.rewards.collecting():
+            batch = self.collect(step)
+        reward_failed = self._reward_failed(step)
+        self.policy.num_skipped_nonfinite = 0
+        dist.set_phase("update", step + 1)
+        if reward_failed:
+            logger.warning("%s; no update (reward.on_failure=skip)", self._failure_message(step))
+            update_stats: dict[str, float] = {}
+        else:
+            update_stats = self.update(batch, step)
+        skipped = self.policy.num_skipped_nonfinite
+        nonfinite = skipped > 0 or not math.isfinite(update_stats.get("loss", 0.0))
+        skips.record(reward_failed or nonfinite, "reward failure" if reward_failed else "non-finite loss")
+        record = {"step": step + 1, **batch.stats, **update_stats}
+        record["skipped_nonfinite"] = skipped
+        record["skipped_reward_failure"] = int(reward_failed)
+        record["lr"] = self.policy.lr_scheduler.get_last_lr()[0]
+        record["step_time_s"] = time.perf_counter() - start
+        dist.set_phase("evaluation", step + 1)
+        record.update(self.evaluate(step + 1))
+        self.metrics.write(record)
+        progress.log(record, batch.preview)
+        skips.check(step + 1)
+        dist.set_phase("checkpoint", step + 1)
+        stop = signals.agreed()  # every rank, every step: all stop at the same step
+        self._maybe_save(step + 1, skips, stop)
+        if stop:
+            logger.warning(
+                "stopped at step %d on a stop signal (%s); continue with trainer.resume=latest",
+                step + 1,
+                "received here" if signals.requested else "received by another rank",
+            )
+        return stop
+
+    def collect(self, step: int) -> Batch:
+        """The algorithm's rollout, rewards and advantages for this rank's samples of `step`."""
+        return self.algorithm.collect(step)
+
+    def update(self, batch: Batch, step: int) -> dict[str, float]:
+        """The algorithm's update on `batch`: its statistics, averaged over the ranks."""
+        return self.algorithm.update(batch, step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluation scalars at `step` (empty when no evaluation is due)."""
+        return self.evaluation.maybe_run(step, self.rank, self.world_size, self.is_main)
+
+    def save(self, step: int, at_once: bool = True) -> None:
+        """The checkpoint of `step` (collective); with `trainer.async_save`, unless `at_once`, in the
+        background."""
+        self.checkpoints.save(step, at_once)
+
+    def _reward_failed(self, step: int) -> bool:
+        """Whether any rank's reward failed this step (one all-reduce); an error or on_failure=error stops."""
+        dist.set_phase("reward gather", step + 1)
+        seen = torch.tensor([float(bool(self.rewards.failures)), float(bool(self.rewards.errors))])
+        reward_failed, reward_error = (bool(x) for x in dist.all_reduce(seen, op="max"))
+        if reward_error:
+            if self.rewards.errors:
+                raise self.rewards.errors[0]
+            raise RewardFailed(
+                f"step {step + 1}: a reward failed on another rank (its log says how); stopping"
+            )
+        if reward_failed and self.cfg.reward.on_failure == "error":
+            raise RewardFailed(self._failure_message(step))
+        return reward_failed
+
+    def _failure_message(self, step: int) -> str:
+        here = "; ".join(self.rewards.failures) or "a reward failed on another rank"
+        return f"step {step + 1}: {here}"
+
+    def _maybe_save(self, step: int, skips: SkipCounter, stop: bool) -> None:
+        cfg = self.cfg.trainer
+        if not ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.num_steps or stop):
+            return
+        if skips.in_a_row:
+            # Weights are unchanged by skipped steps, but the newest checkpoint must predate the streak.
+            logger.warning("step %d: no checkpoint during %d skipped step(s) in a row", step, skips.in_a_row)
+            return
+        # The run's last checkpoint is written at once; others may write in the background.
+        self.save(step, at_once=step == cfg.num_steps or stop)
+
+
+class DiTTrainer(Trainer):
+    """A run that trains the DiT decoder (Flow-GRPO, DiffusionNFT, AWM: the config's `algo.name`)."""
+
+    component = "dit"
+
+
+class ARTrainer(Trainer):
+    """A run that trains the AR model (GRPO, DAPO, GSPO)."""
+
+    component = "ar"

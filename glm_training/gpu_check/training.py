@@ -1,0 +1,224 @@
+"""One LoRA training step of each half (`dit`: Flow-GRPO, `recipes/flow_grpo_fast_ocr`; `ar`: GRPO/DAPO,
+`recipes/dapo_aesthetic_alignment`) through the project's own trainer, around the pipeline built in memory:
+seconds of the step and of its rollout and update, peak memory next to `glm_training.plan`'s prediction, and
+for the DiT the update's model FLOPs and MFU.
+
+The trainers are built from the real-model recipes (`model=glm_image_shape` with `--toy`) with one group of
+two samples, the JPEG reward (no reward weights to download) and the bundled prompts; `--dit-overrides` /
+`--ar-overrides` add config overrides. Only where the model comes from differs: the trainer is handed the
+pipeline built here (`Trainer(cfg, pipeline=...)`) instead of loading a folder, so nothing is written to disk;
+the checkpoint at the end of the step is skipped. The DiT step's prior tokens are seeded random codebook ids,
+as a prior cache (`data.prior_cache`) hands them over, so that step times the DiT alone.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glm_training.gpu_check.measure import GIB, compiled_graphs, free_memory, measured
+from glm_training.gpu_check.settings import Settings
+
+# One step of one group of two samples, the bundled prompts (`data.prompt_file=`), a reward without weights.
+COMMON_OVERRIDES = [
+    "data.prompt_file=",
+    "reward.names=[jpeg_compressibility]",
+    "data.num_groups_per_step=1",
+    "data.num_generations=2",
+    "eval.every_n_steps=0",
+    "trainer.num_steps=1",
+    "logging.tensorboard=false",
+    "trainer.progress_bar=false",
+]
+
+
+def _in_memory_trainer() -> type:
+    """The engine's trainer of a given pipeline (`pipeline=`: no folder, no `.to()`), with the rollout and the
+    update timed and their peak memory measured, and no checkpoint written."""
+    from glm_training.engine.trainer import Trainer
+
+    class InMemoryTrainer(Trainer):
+        def __init__(self, cfg, pipeline, priors=None) -> None:
+            self.phases: dict[str, dict[str, float]] = {}
+            super().__init__(cfg, pipeline=pipeline, priors=priors)
+
+        def _timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+            with measured(self.policy.device) as self.phases[phase]:
+                return fn()
+
+        def collect(self, step: int):
+            return self._timed("rollout", lambda: super(InMemoryTrainer, self).collect(step))
+
+        def update(self, batch, step: int) -> dict[str, float]:
+            self.update_stats = self._timed(
+                "update", lambda: super(InMemoryTrainer, self).update(batch, step)
+            )
+            return self.update_stats
+
+        def save(self, step: int, at_once: bool = True) -> None:
+            pass  # the check writes no checkpoint
+
+    return InMemoryTrainer
+
+
+class RandomPriors:
+    """The DiT step's prior tokens: seeded random codebook ids, as a prior cache (`data.prior_cache`) hands
+    them over, so that the step times the DiT alone (the AR step times the AR rollout)."""
+
+    def __init__(self, pipe, height: int, width: int):
+        self.vocab = int(pipe.transformer.config.prior_vq_quantizer_codebook_size)
+        self.length = (height // 16) * (width // 16)
+        self.eval_tokens = None  # evaluation (off in the check) would sample its own
+
+    def step_tokens(self, texts: list[str], seed: int, step: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        return torch.randint(self.vocab, (len(texts), self.length), generator=generator)
+
+
+def training_config(component: str, settings: Settings, output_dir: Path):
+    """The recipe of `component`'s half, shrunk to one step of one group of two samples (module docstring)."""
+    from glm_training.config import load_config
+
+    size = settings.train_size
+    overrides = [
+        *COMMON_OVERRIDES,
+        f"trainer.output_dir={output_dir}",
+        f"sampling.height={size}",
+        f"sampling.width={size}",
+    ]
+    bf16 = settings.dtype == torch.bfloat16
+    if settings.toy:
+        overrides += ["model=glm_image_shape"]
+    overrides += [
+        f"model.dtype={'bfloat16' if bf16 else 'float32'}",
+        f"trainer.mixed_precision={'bf16' if bf16 else 'no'}",
+    ]
+    if component == "dit":
+        recipe = "recipes/flow_grpo_fast_ocr"
+        if settings.toy:
+            overrides += [
+                "sampling.num_steps=2",
+                "sampling.sde_window_size=1",
+                "sampling.sde_window_range=[0,1]",
+            ]
+    else:
+        recipe = "recipes/dapo_aesthetic_alignment"
+        overrides += ["algo.micro_batch_size=2"] + (["sampling.dit_num_steps=1"] if settings.toy else [])
+    overrides += settings.overrides.get(component, [])
+    return recipe, load_config(config=recipe, overrides=overrides)
+
+
+def train_step(
+    component: str, pipe, settings: Settings, matmul_flops: float | None, spec_flops: float | None
+) -> dict[str, Any]:
+    """One training step of `component`'s half through its trainer: times, peak memory, the plan's figure.
+
+    The pipeline is handed back as it was (`_hand_back`) however the step ends."""
+    trainer_cls = _in_memory_trainer()
+    attribute = "transformer" if component == "dit" else "vision_language_encoder"
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        recipe, cfg = training_config(component, settings, Path(tmp) / "run")
+        trainer = None
+        try:
+            priors = (
+                RandomPriors(pipe, settings.train_size, settings.train_size) if component == "dit" else None
+            )
+            trainer = trainer_cls(cfg, pipe, priors)
+            graphs = compiled_graphs()
+            with measured(settings.device) as step:
+                trainer.train()
+            graphs = compiled_graphs() - graphs
+            result = _step_result(component, recipe, cfg, settings.train_size, trainer, step, graphs)
+            if component == "dit":
+                seconds = trainer.phases["update"]["seconds"]
+                result.update(dit_update_flops(trainer, pipe, seconds, matmul_flops, spec_flops))
+            return result
+        finally:
+            _hand_back(pipe, attribute, trainer)
+            del trainer
+            free_memory(settings.device)
+
+
+def _step_result(
+    component: str, recipe: str, cfg, size: int, trainer, step: dict[str, Any], graphs: int
+) -> dict[str, Any]:
+    """The figures of a finished step of `size`² images: `step` is its `measured` dict, `graphs` what it
+    compiled."""
+    record = json.loads((trainer.output_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    plan = trainer.memory_plan
+    phases = trainer.phases
+    return {
+        "component": component,
+        "recipe": recipe,
+        "driven_by": f"{type(trainer).__name__}.train(), 1 step",
+        "height": size,
+        "width": size,
+        "samples": cfg.data.per_rank_samples(1),
+        "step_seconds": step["seconds"],
+        "phases": phases,
+        # Each phase resets the peak counter as it starts: the step's peak is the largest.
+        "peak_memory_gib": max(p["peak_memory_gib"] for p in [step, *phases.values()]),
+        "peak_memory_source": step["peak_memory_source"],
+        "loss": record.get("loss"),
+        "plan_peak_gib": plan.peak / GIB if plan else None,
+        "plan_summary": plan.summary() if plan else None,
+        "trainable_params": sum(p.numel() for p in trainer.policy.trained_parameters()),
+        "graphs_compiled": graphs,
+    }
+
+
+def _hand_back(pipe, attribute: str, trainer) -> None:
+    """Hand the pipeline's `attribute` back as it was: no autocast wrapper, no adapters, no checkpointing,
+    frozen (`trainer` None: it was never built)."""
+    from glm_training.models.lora import merge_lora_adapters, tuner_layers
+
+    module = getattr(pipe, attribute)
+    if trainer is not None:
+        module = trainer.accelerator.unwrap_model(trainer.policy.model, keep_fp32_wrapper=False)
+    if tuner_layers(module):
+        merge_lora_adapters(module, merge=False)
+    # (flag, switch) of diffusers' gradient checkpointing, then transformers' activation checkpointing
+    for flag, off in (
+        ("is_gradient_checkpointing", "disable_gradient_checkpointing"),
+        ("is_activation_checkpointing", "activation_checkpointing_disable"),
+    ):
+        if hasattr(module, off) and getattr(module, flag, False):
+            getattr(module, off)()
+    module.requires_grad_(False).eval()
+    pipe.register_modules(**{attribute: module})
+
+
+def dit_update_flops(
+    trainer, pipe, seconds: float, matmul_flops: float | None, spec_flops: float | None
+) -> dict[str, Any]:
+    """Model FLOPs of the DiT update and its MFU.
+
+    FLOPs = tokens x N x (4 per policy forward: 2 forward + 2 for the input gradients of the frozen weights;
+    2 per reference forward), N = the DiT's matmul weights (every nn.Linear), tokens = latent tokens of an
+    image.
+    Policy forwards = samples x trained steps x inner epochs, x2 with guidance (CFG's second pass); reference
+    forwards the same when beta > 0. LoRA's own gradients, attention scores and the recompute of gradient
+    checkpointing are left out: a lower bound of the work done, so the MFU is too.
+    """
+    cfg = trainer.cfg
+    dit = pipe.transformer
+    n = sum(m.weight.numel() for m in dit.modules() if isinstance(m, nn.Linear))
+    patch = dit.config.patch_size * pipe.vae_scale_factor
+    tokens = (cfg.sampling.height // patch) * (cfg.sampling.width // patch)
+    cfg_passes = 2 if cfg.sampling.guidance_scale > 1 else 1
+    steps = int(trainer.update_stats.get("num_train_steps", 0))
+    forwards = cfg.data.per_rank_samples(1) * steps * cfg.algo.num_inner_epochs * cfg_passes
+    flops = forwards * tokens * n * (4 + (2 if cfg.algo.beta > 0 else 0))
+    achieved = flops / seconds
+    return {
+        "update_flops": flops,
+        "update_flops_per_s": achieved,
+        "mfu": achieved / spec_flops if spec_flops else None,
+        "of_measured_matmul": achieved / matmul_flops if matmul_flops else None,
+    }
