@@ -27,6 +27,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "RewardTrainer": ("glm_training.engine.trainer", "Trainer"),
     # Algorithms: the base class a new one subclasses, and the table it is registered in.
     "Algorithm": ("glm_training.algorithms.base", "Algorithm"),
+    "AlgorithmSpec": ("glm_training.config.spec", "AlgorithmSpec"),
     "register_algorithm": ("glm_training.config.algorithms", "register_algorithm"),
     # Configs: the dataclasses (constructible directly) and the YAML + overrides loader.
     "DiTTrainConfig": ("glm_training.config", "DiTTrainConfig"),
