@@ -556,3 +556,20 @@ def test_decoding_options_are_checked():
     ]:
         with pytest.raises(ValueError, match=needle):
             sample_image_tokens(None, PROMPTS, HEIGHT, WIDTH, params, seed=0, **kwargs)
+
+
+def test_the_decoding_loop_masks_as_eager_attention_takes_it(tiny_model_dir):
+    # Eager attention adds the mask to its scores: a boolean mask would add 1 and 0 and open every column of
+    # the cache. The loop hands eager the additive mask transformers builds, so it draws generate()'s tokens.
+    eager = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    eager.vision_language_encoder.set_attn_implementation("eager")
+    params = SamplingParams.from_pipeline(eager)
+    rollouts = {
+        decoding: sample_image_tokens(eager, PROMPTS, HEIGHT, WIDTH, params, seed=0, decoding=decoding)
+        for decoding in DECODING_PATHS
+    }
+    _assert_same_rollout(rollouts["loop"], rollouts["generate"])
+    text_config = eager.vision_language_encoder.config.get_text_config(decoder=True)
+    text_config._attn_implementation_internal = "flash_attention_2"  # takes no 4-D mask (set as loaded)
+    with pytest.raises(ValueError, match="attention 'flash_attention_2'.*sampling.decoding=generate"):
+        sample_image_tokens(eager, PROMPTS, HEIGHT, WIDTH, params, seed=0)

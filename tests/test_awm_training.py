@@ -103,3 +103,29 @@ def test_the_policy_copy_round_trips_and_a_missing_or_foreign_file_is_refused(tm
     torch.save({"other.weight": torch.zeros(1)}, tmp_path / ANCHOR_FILE)
     with pytest.raises(CheckpointError, match="does not match the model being trained"):
         fresh.load_from(tmp_path, "an AWM run")
+
+
+def test_later_optimizer_steps_weigh_the_loss_by_the_ratio_to_the_pre_update_loss(tmp_path):
+    """The reference's off-policy steps (`train_sd3_awm.py`): the first optimizer step is on-policy (ratio 1:
+    the policy loss is exactly -mean(weight)); the later ones take the ratio exp(old - loss) to the loss of
+    the weights the update started from, at the same times and noise, so the policy loss moves off it."""
+    from glm_training.engine.trainer import DiTTrainer
+
+    overrides = [
+        *DIT_SMALL,
+        "--config",
+        "configs/awm_training.yaml",
+        f"trainer.output_dir={tmp_path}",
+        "algo.num_mini_batches=2",
+        "algo.train_timesteps=2",
+        "sampling.micro_batch_size=3",
+        "optim.lr=1e-2",
+    ]
+    trainer = DiTTrainer(load_config(overrides, "t2i_training"))
+    trainer.update(trainer.collect(0), 0)
+    first, second = trainer.updates.last.mini_batches
+    assert first["policy_loss"] == -first["weight_mean"]
+    assert second["policy_loss"] != -second["weight_mean"]
+    assert np.isfinite(second["policy_loss"])
+    with pytest.raises(ConfigError, match="algo.num_inner_epochs.*num_mini_batches"):
+        load_config(["--config", "configs/awm_training.yaml", "algo.num_inner_epochs=2"], "t2i_training")

@@ -25,7 +25,9 @@ def dit_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dit_eval_run")
     small = [a for a in SMALL if not a.startswith("eval.every_n_steps")]
     args = [*small, *EVAL, "trainer.num_steps=2", "eval.every_n_steps=2", f"trainer.output_dir={out}"]
-    args += ["algo.ema=true", "eval.watch_rewards=[jpeg_incompressibility]"]
+    # An EMA update at each of the two steps (Flow-GRPO's own updates every 8th step).
+    ema = ["algo.ema=true", "algo.ema_update_interval=1", "algo.ema_every_micro_batch=false"]
+    args += [*ema, "eval.watch_rewards=[jpeg_incompressibility]"]
     assert run(DiTTrainer, "t2i_training", args) == 0
     return out
 

@@ -55,6 +55,12 @@ def test_clipped_sequences_have_no_gradient():
     torch.testing.assert_close(stats["clip_frac"], torch.tensor(1.0))
     torch.testing.assert_close(stats["approx_kl"], torch.tensor(0.005), atol=1e-7, rtol=0)
     torch.testing.assert_close(stats["ratio_mean"], torch.tensor(1.00500417), atol=1e-6, rtol=0)
+    # As TRL's GSPO counts: s_0 above the range with A > 0 and s_1 below it with A < 0 both change the loss;
+    # with the advantages' signs swapped neither clip acts.
+    signed = sequence_ratio_stats(new.detach(), old, mask, 3e-4, 4e-4, torch.tensor([1.0, -2.0]))
+    torch.testing.assert_close(signed["clip_frac"], torch.tensor(1.0))
+    swapped = sequence_ratio_stats(new.detach(), old, mask, 3e-4, 4e-4, torch.tensor([-1.0, 2.0]))
+    torch.testing.assert_close(swapped["clip_frac"], torch.tensor(0.0))
 
 
 def _paper_objective(new, old, adv, lengths, clip_low, clip_high):

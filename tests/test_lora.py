@@ -25,7 +25,9 @@ from glm_training.models.lora import (
     tuner_layers,
 )
 
-LORA = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["to_q", "to_v", "q_proj", "v_proj"])
+LORA = SimpleNamespace(
+    rank=4, alpha=8, dropout=0.0, target_modules=["to_q", "to_v", "q_proj", "v_proj"], init_weights="gaussian"
+)
 
 
 def _refuse(*args, **kwargs):
@@ -115,3 +117,28 @@ def test_disabling_a_module_without_adapters_is_an_error(tiny_model_dir):
     module = GlmImagePipeline.from_pretrained(tiny_model_dir).transformer
     with pytest.raises(ValueError, match="no LoRA layers"), adapters_disabled(module):
         pass
+
+
+@pytest.mark.parametrize("init, peft_init", [("gaussian", "gaussian"), ("default", True)])
+def test_lora_init_weights_are_peft_s_own(tiny_model_dir, init, peft_init):
+    # `model.lora.init_weights`: gaussian (Flow-GRPO, DiffusionNFT, AWM: init_lora_weights="gaussian") or
+    # peft's default (TRL). The same draws as peft's own injection from the same seed; B starts at 0.
+    from peft import LoraConfig, inject_adapter_in_model
+
+    ours = GlmImagePipeline.from_pretrained(tiny_model_dir).transformer
+    theirs = GlmImagePipeline.from_pretrained(tiny_model_dir).transformer
+    torch.manual_seed(3)
+    add_lora_adapters(ours, SimpleNamespace(**{**vars(LORA), "init_weights": init}))
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA.target_modules, init_lora_weights=peft_init)
+    inject_adapter_in_model(config, theirs)
+    expected = {n: p for n, p in theirs.named_parameters() if "lora_" in n}
+    got = {n: p for n, p in ours.named_parameters() if "lora_" in n}
+    assert got.keys() == expected.keys()
+    for name, param in got.items():
+        assert torch.equal(param.float(), expected[name].float()), name
+        if "lora_B" in name:
+            assert not param.any()
+    a = next(p for n, p in got.items() if "lora_A" in n)
+    if init == "gaussian":  # N(0, 1/r): std 0.25 at r = 4, beyond the Kaiming-uniform bound of these widths
+        assert a.abs().max() > 1 / a.shape[1] ** 0.5

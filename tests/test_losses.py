@@ -96,6 +96,22 @@ def test_ratio_stats_by_hand() -> None:
     assert all(v.item() == 0.0 for v in empty.values())
 
 
+def test_clip_frac_with_advantages_counts_the_clips_that_change_the_loss() -> None:
+    # verl's pg_clipfrac (TRL's clip_ratio): ratios [1, 1.5, 0.5, 1.1, 1.5, 0.5], advantages
+    # [1, 1, 1, 1, -1, -1]: 1.5 with A > 0 is clipped (counts), 0.5 with A > 0 is not (the unclipped loss
+    # is larger), 1.5 with A < 0 is not, 0.5 with A < 0 is -> 2/6. Without advantages (Flow-GRPO's
+    # clipfrac) all four outside the range count: 4/6.
+    log_prob = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.1, 1.5, 0.5]))
+    advantages = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0])
+    signed = ratio_stats(log_prob, torch.zeros(6), CLIP_LOW, CLIP_HIGH, advantages=advantages)
+    torch.testing.assert_close(signed["clip_frac"], torch.tensor(2 / 6), atol=1e-7, rtol=0)
+    either = ratio_stats(log_prob, torch.zeros(6), CLIP_LOW, CLIP_HIGH)
+    torch.testing.assert_close(either["clip_frac"], torch.tensor(4 / 6), atol=1e-7, rtol=0)
+    # A zero advantage never counts: the clip cannot change a zero loss.
+    zero = ratio_stats(log_prob, torch.zeros(6), CLIP_LOW, CLIP_HIGH, advantages=torch.zeros(6))
+    assert zero["clip_frac"].item() == 0.0
+
+
 def test_ratio_stats_masked_matches_selection() -> None:
     g = torch.Generator().manual_seed(1)
     log_prob, old = 0.3 * torch.randn(3, 8, generator=g), 0.3 * torch.randn(3, 8, generator=g)

@@ -281,6 +281,10 @@ def test_each_recipe_trains_one_step_scaled_down_and_its_clip_acts(name, tiny_cl
     minis = trainer.updates.last.mini_batches
     assert len(minis) == cfg.algo.num_mini_batches
     if "clip_frac" in minis[0] and len(minis) > 1:
-        # The first optimizer step is on-policy (ratio exactly 1); on every later one the clip acts.
+        # The first optimizer step is on-policy (ratio exactly 1); on every later one the ratios moved. The
+        # DiT's clip_frac counts every ratio outside the range (Flow-GRPO's), so it is > 0 on each later step;
+        # the AR model's counts the clips that change the loss (verl's, TRL's), which a step may not meet.
         assert minis[0]["clip_frac"] == 0.0, minis[0]
-        assert all(m["clip_frac"] > 0 for m in minis[1:]), [m["clip_frac"] for m in minis]
+        assert all(m["approx_kl"] > 0 for m in minis[1:]), minis
+        later = [m["clip_frac"] > 0 for m in minis[1:]]
+        assert all(later) if cfg.component == "dit" else any(later), [m["clip_frac"] for m in minis]

@@ -74,9 +74,27 @@ def _masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
     return _apply_mask(x, mask_f).sum() / mask_f.sum().clamp(min=1.0)
 
 
+def clipped_fraction(
+    ratio: Tensor, clip_low: float, clip_high: float, advantages: Tensor | None = None
+) -> Tensor:
+    """[bool] where the clip counts, elementwise. Without ``advantages``: every ratio outside
+    ``[1 - clip_low, 1 + clip_high]`` (Flow-GRPO's ``clipfrac``, ``|r - 1| > clip_range``). With them: only
+    where the clip changes the loss, ``-A clip(r) > -A r`` (verl's ``pg_clipfrac``, TRL's ``clip_ratio``): a
+    ratio above the range with ``A > 0`` or below it with ``A < 0``."""
+    if advantages is None:
+        return (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+    adv = torch.broadcast_to(advantages.float(), ratio.shape)
+    return torch.gt(-adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high), -adv * ratio)
+
+
 @torch.no_grad()
 def ratio_stats(
-    log_prob: Tensor, old_log_prob: Tensor, clip_low: float, clip_high: float, mask: Tensor | None = None
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    clip_low: float,
+    clip_high: float,
+    mask: Tensor | None = None,
+    advantages: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Diagnostics of the policy ratio, without gradients.
 
@@ -84,17 +102,17 @@ def ratio_stats(
         log_prob, old_log_prob: any shape (same).
         clip_low, clip_high: bounds as in :func:`clipped_policy_loss`.
         mask: optional, broadcastable to ``log_prob``; means are taken over non-zero entries (0 if none).
+        advantages: optional, broadcastable to ``log_prob``: ``clip_frac`` then counts only the clips that
+            change the loss (:func:`clipped_fraction`).
 
     Returns:
-        0-d float32 tensors: ``clip_frac`` (fraction of ratios outside ``[1 - clip_low, 1 + clip_high]``,
-        regardless of the advantage's sign), ``approx_kl`` (``0.5 * mean((log_prob - old)^2)``) and
-        ``ratio_mean``.
+        0-d float32 tensors: ``clip_frac`` (:func:`clipped_fraction`'s mean), ``approx_kl``
+        (``0.5 * mean((log_prob - old)^2)``) and ``ratio_mean``.
     """
     log_ratio = log_prob.float() - old_log_prob.float()
     ratio = torch.exp(log_ratio)
-    outside = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
     return {
-        "clip_frac": _masked_mean(outside, mask),
+        "clip_frac": _masked_mean(clipped_fraction(ratio, clip_low, clip_high, advantages), mask),
         "approx_kl": 0.5 * _masked_mean(log_ratio**2, mask),
         "ratio_mean": _masked_mean(ratio, mask),
     }

@@ -14,6 +14,9 @@ from glm_training.config.options import (
     option,
 )
 
+# model.lora.init_weights: peft's `init_lora_weights` of each (models/lora.py LORA_INIT_WEIGHTS).
+LORA_INITS = ("gaussian", "default")
+
 
 @dataclass
 class LoraConfig:
@@ -31,12 +34,21 @@ class LoraConfig:
         factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
         help="Attention projections of the GLM-Image DiT; the AR trainer's YAML names the GLM ones.",
     )
+    init_weights: str = option(
+        "gaussian",
+        (
+            "How the adapters start (B = 0 either way, so the first output is the base model's): gaussian = "
+            'A ~ N(0, 1/r), peft\'s init_lora_weights="gaussian", as Flow-GRPO, DiffusionNFT and AWM '
+            "initialise theirs; default = peft's default Kaiming-uniform A, as TRL's GRPO (the AR configs)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check(self.rank > 0, "model.lora.rank", f"must be > 0, got {self.rank}.")
         _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}.")
         _check(0.0 <= self.dropout < 1.0, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}.")
         _check(len(self.target_modules) > 0, "model.lora.target_modules", "name at least one module.")
+        _check_choice(self.init_weights, LORA_INITS, "model.lora.init_weights")
 
 
 @dataclass

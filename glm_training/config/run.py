@@ -46,7 +46,17 @@ class AlgoConfig:
     ema: bool = option(
         False, "keep an exponential moving average of the trained weights (evaluated, exported)"
     )
-    ema_decay: float = option(0.9, "EMA decay per optimizer step")
+    ema_decay: float = option(
+        0.9, "the EMA's decay once warmed up (the references' min((1 + s) / (10 + s), ema_decay) at step s)"
+    )
+    ema_update_interval: int = option(
+        1, "the EMA updates on the optimizer steps s with (s + 1) % ema_update_interval == 0 (Flow-GRPO: 8)"
+    )
+    ema_every_micro_batch: bool = option(
+        False,
+        "the EMA update acts once per micro-batch of its optimizer step, as Flow-GRPO's train_sd3.py calls "
+        "it (false: once per optimizer step, as DiffusionNFT and AWM)",
+    )
 
     def __post_init__(self) -> None:
         # The section's own algorithm: its `name` default. Another name needs its own schema.
@@ -58,6 +68,7 @@ class AlgoConfig:
         _check(self.num_inner_epochs >= 1, "algo.num_inner_epochs", "must be >= 1.")
         _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
         _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
+        _check(self.ema_update_interval >= 1, "algo.ema_update_interval", "must be >= 1.")
 
     def other_schema_hint(self, own: str) -> str:
         """The error when `algo.name` is not this section's algorithm."""

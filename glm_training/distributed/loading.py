@@ -182,7 +182,7 @@ def standin_weights(module: nn.Module) -> Iterator[nn.Module]:
 
     For peft's adapter injection on an empty module: peft moves a new adapter to its base layer's device
     and dtype, and a meta base would leave the adapter without its values. peft reads only the base
-    weights' device and dtype for the initialisation `add_lora_adapters` uses (`init_lora_weights=True`,
+    weights' device and dtype for the initialisations `add_lora_adapters` uses (`model.lora.init_weights`,
     drawn from the generator); initialisations that read the base values (PiSSA, OLoRA, LoftQ) would see
     zeros.
     """

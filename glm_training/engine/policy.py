@@ -21,6 +21,7 @@ from torch import nn
 
 from glm_training.distributed import collectives as dist
 from glm_training.distributed.loading import empty_trained_component, local_pipeline_folder, standin_weights
+from glm_training.engine.ema import EMASchedule
 from glm_training.frozen_weights import apply_weights_source, frozen_weight_sources
 from glm_training.models.halves import ModelHalf, model_half
 from glm_training.models.lora import adapters_disabled, add_lora_adapters
@@ -81,7 +82,7 @@ class Policy:
             "[load] %s", describe_module(f"{self.wrapper.trainable_name} (trainable)", self.trainable)
         )
         self.wrapper.trainable = self.trainable
-        self.ema = self._build_ema()
+        self.ema, self.ema_schedule = self._build_ema()
         self.optimizer, self.lr_scheduler = self._build_optimizer()  # over the shards, when sharded
         self.model, self.optimizer = parallel.wrap(self.trainable, self.optimizer)
         self.num_skipped_nonfinite = 0  # optimizer steps skipped in the current training step
@@ -198,11 +199,14 @@ class Policy:
         return master_names(module)
 
     def _build_ema(self):
-        if not getattr(self.cfg.algo, "ema", False):
-            return None
+        """diffusers' `EMAModel` holds the shadow weights; `EMASchedule` updates them as the references do."""
+        a = self.cfg.algo
+        if not getattr(a, "ema", False):
+            return None, None
         from diffusers.training_utils import EMAModel
 
-        return EMAModel(self.trained_parameters(), decay=self.cfg.algo.ema_decay)
+        schedule = EMASchedule(a.ema_decay, a.ema_update_interval, a.ema_every_micro_batch)
+        return EMAModel(self.trained_parameters(), decay=a.ema_decay), schedule
 
     def _build_optimizer(self):
         o = self.cfg.optim
@@ -250,8 +254,9 @@ class Policy:
         ):
             yield self.reference
 
-    def optimizer_step(self) -> float:
-        """Clip, step, schedule, zero; returns the pre-clip gradient norm.
+    def optimizer_step(self, num_micro_batches: int = 1) -> float:
+        """Clip, step, schedule, zero, and the EMA's updates around the step (`engine/ema.py`; the step took
+        `num_micro_batches` micro-batches); returns the pre-clip gradient norm.
 
         A non-finite norm (a NaN/inf loss or an overflow) makes no update: no optimizer, LR schedule or EMA
         step (see `guards.py`). Under DDP the norm comes from all-reduced gradients: every rank agrees.
@@ -265,11 +270,17 @@ class Policy:
             self.optimizer.zero_grad(set_to_none=True)
             logger.warning("gradient norm is %s: optimizer step skipped (no update)", grad_norm)
             return grad_norm
+        steps = self.lr_scheduler.last_epoch  # optimizer steps taken so far (checkpoints restore it)
+        if self.ema is not None:
+            self.ema_schedule.before_step(
+                self.ema.shadow_params, self.trained_parameters(), steps, num_micro_batches
+            )
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.step(self.trained_parameters())
+            self.ema_schedule.after_step(self.ema.shadow_params, self.trained_parameters(), steps + 1)
+            self.ema.optimization_step = steps + 1
         return grad_norm
 
     @contextlib.contextmanager

@@ -101,7 +101,7 @@ class UpdateLoop:
                         values = backward()
                     stats.add(values)
                     mini_stats.add(values)
-                grad_norms.append(policy.optimizer_step())
+                grad_norms.append(policy.optimizer_step(len(mini)))
                 mini_batches.append(mini_stats.means())
         self.last = UpdateStats(stats.means(), mini_batches, grad_norms)
         return self.last

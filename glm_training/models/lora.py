@@ -22,6 +22,11 @@ ADAPTER = "default"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
+# `model.lora.init_weights` -> peft's `init_lora_weights`: A ~ N(0, 1/r) (Flow-GRPO, DiffusionNFT, AWM), or
+# peft's default Kaiming-uniform A (TRL). B starts at 0 in both.
+LORA_INIT_WEIGHTS = {"gaussian": "gaussian", "default": True}
+
+
 def add_lora_adapters(module: nn.Module, lora: Any) -> None:
     """Inject LoRA adapters (peft, in place, adapter "default") as `model.lora` describes; only they train.
 
@@ -36,7 +41,7 @@ def add_lora_adapters(module: nn.Module, lora: Any) -> None:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
-        init_lora_weights=True,
+        init_lora_weights=LORA_INIT_WEIGHTS[lora.init_weights],
     )
     # What the adapter file records as its base model (transformers records the model's path, diffusers none).
     config.base_model_name_or_path = vars(module).get("name_or_path")

@@ -338,6 +338,7 @@ def _decode_loop(
     batch_size, num_prompt_tokens = input_ids.shape
     total_length = num_prompt_tokens + max_new_tokens
     forward_inputs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    step_mask, attend = _step_mask(model, attention_mask, total_length)  # refuses a model it cannot serve
 
     prompt_positions, _ = model.model.get_rope_index(
         input_ids,
@@ -366,14 +367,12 @@ def _decode_loop(
     del outputs
 
     # The decoding step's inputs: fixed shapes and storage, refilled in place before each call. The attention
-    # mask over the preallocated cache, [B, 1, 1, L] (True = attend), is the one transformers would build from
+    # mask over the preallocated cache, [B, 1, 1, L] (`step_mask`), is the one transformers would build from
     # the 2D mask at every step (the prompt's padding, and the cache up to the current token); prepared here,
     # it opens one column a step, and the model takes it as given.
     step_ids = input_ids.new_zeros(batch_size, 1)
     step_positions = positions.new_zeros(3, batch_size, 1)
     step_cache_position = torch.zeros(1, dtype=torch.long, device=device)
-    step_mask = torch.zeros(batch_size, 1, 1, total_length, dtype=torch.bool, device=device)
-    step_mask[:, 0, 0, :num_prompt_tokens] = attention_mask.bool()
 
     def decode_step(ids: Tensor, position_ids: Tensor, cache_position: Tensor, mask: Tensor) -> Tensor:
         out = model(
@@ -400,11 +399,39 @@ def _decode_loop(
         step_ids.copy_(tokens)
         step_positions.copy_(positions[:, :, column : column + 1])
         step_cache_position.fill_(column)
-        step_mask[:, 0, 0, column] = True
+        step_mask[:, 0, 0, column] = attend
         logits = step_fn(step_ids, step_positions, step_cache_position, step_mask)
     # As generate() records them: the last token is never fed back, so its column repeats the previous one.
     positions[:, :, -1] = positions[:, :, -2]
     return sequences.cpu(), positions.cpu(), log_probs.cpu()
+
+
+# The 4-D masks the decoding loop hands the model, by attention implementation: (the mask's dtype and fill,
+# the value that opens a column). SDPA takes a boolean mask (True = attend); eager attention adds the mask to
+# its scores, so it takes 0 to attend and the dtype's lowest value not to, as transformers builds it.
+ATTENTION_MASKS = ("sdpa", "eager")
+
+
+def _step_mask(model: nn.Module, attention_mask: Tensor, total_length: int) -> tuple[Tensor, bool | float]:
+    """The loop's [B, 1, 1, L] mask over the preallocated cache, open over the prompt's tokens, and the value
+    that opens a column, in the form the model's attention implementation takes (`ATTENTION_MASKS`)."""
+    implementation = model.config.get_text_config(decoder=True)._attn_implementation
+    if implementation not in ATTENTION_MASKS:
+        raise ValueError(
+            f"the decoding loop hands the model a 4-D mask, which attention '{implementation}' does not "
+            f"take; load the AR model with attn_implementation in {ATTENTION_MASKS}, or set "
+            "sampling.decoding=generate."
+        )
+    prompt = attention_mask.bool()
+    shape = (prompt.shape[0], 1, 1, total_length)
+    if implementation == "sdpa":
+        mask = torch.zeros(shape, dtype=torch.bool, device=prompt.device)
+        mask[:, 0, 0, : prompt.shape[1]] = prompt
+        return mask, True
+    closed = torch.finfo(model.dtype).min
+    mask = torch.full(shape, closed, dtype=model.dtype, device=prompt.device)
+    mask[:, 0, 0, : prompt.shape[1]] = torch.where(prompt, 0.0, closed)
+    return mask, 0.0
 
 
 class _AutocastStaticLayer(StaticLayer):

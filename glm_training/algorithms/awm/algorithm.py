@@ -1,6 +1,6 @@
 """`AWM`: Advantage Weighted Matching (arXiv 2509.25050) on the GLM-Image diffusion decoder.
 
-Follows the authors' reference (`scripts/train_sd3_awm.py`, on-policy as its configs ship), in the
+Follows the authors' reference (`scripts/train_sd3_awm.py`), in the
 forward-process frame it shares with DiffusionNFT (`decoder/forward.py`):
 - Rollout: the *policy* samples with the pipeline's ODE (`decoder/ode.py`; the reference uses an
   SA-Solver, and AWM's loss does not depend on the sampler); only the clean latents and the conditioning are
@@ -9,14 +9,18 @@ forward-process frame it shares with DiffusionNFT (`decoder/forward.py`):
   shared by the micro-batch) with fresh noise each; the CFG-free velocity is fitted to `eps - x_0` with the
   advantage-weighted, time-weighted matching loss (`losses.py`), averaged over samples and times,
   plus `algo.beta` times the velocity KL to the base model and `algo.ema_beta` times the one to an EMA
-  anchor of the policy; `num_mini_batches` optimizer steps per rollout. Noise and times come from a generator
-  seeded by (seed, step, rank), so a resumed run draws the same ones.
+  anchor of the policy; `num_mini_batches` optimizer steps per rollout, the first on-policy (ratio 1) and the
+  later ones ratio-weighted against the loss of the weights the update started from (`old_loss`, computed
+  before the first step, as the reference's pre-pass). Noise and times come from a generator seeded by
+  (seed, step, rank), so a resumed run draws the same ones.
 - After the update the anchor moves towards the policy: `anchor <- d anchor + (1 - d) policy`, d =
   `min(kl_ema_decay, 0.001 k)` after k optimizer steps. It is NFT's old-model machinery (`OldPolicy`: a second
   copy of the LoRA weights swapped in, or a frozen copy of the module) and is saved in every checkpoint.
 
-One deliberate difference: the reference adds the anchor's KL only when `beta > 0` (it sits inside that
-branch); here `ema_beta` acts on its own. Every reference config has `beta > 0`, where the two agree.
+What runs of the reference's options (`docs/algorithms.md`): its configs' `loss_type=exp_first` and
+`kl_weight=Uniform`; one deliberate difference: the reference adds the anchor's KL only when `beta > 0` (it
+sits inside that branch); here `ema_beta` acts on its own. Every reference config has `beta > 0`, where the
+two agree.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class AWM(Algorithm):
             self.draw_times,
             self.loss_and_backward,
             self.device,
+            old_losses=self.old_loss if a.num_mini_batches > 1 else None,
         )
         out = dict(update.means)
         if self.anchor is not None:
@@ -100,6 +105,26 @@ class AWM(Algorithm):
         out["num_optimizer_steps"] = float(update.num_optimizer_steps)
         return self.collector.mean_over_ranks(out)
 
+    def _inputs(self, chunk: NFTSamples, time_idx: torch.Tensor, noise: torch.Tensor, rollout):
+        """(x_0, the noised x_t, its sigma t, the DiT's timestep, the conditioning, noise), on the device."""
+        x0 = chunk.final_latents.to(self.device)
+        t = rollout.sigmas[time_idx].to(self.device)
+        timestep = rollout.timesteps[time_idx].to(self.device)
+        noise = noise.to(self.device)
+        return x0, noised_latents(x0, noise, t), t, timestep, chunk.cond.to(self.device), noise
+
+    @torch.no_grad()
+    def old_loss(
+        self, chunk: NFTSamples, time_idx: torch.Tensor, noise: torch.Tensor, rollout
+    ) -> torch.Tensor:
+        """[B] the matching loss of the weights before the update (the reference's `old_log_probs` pre-pass,
+        `-log_prob`, for the micro-batches of the optimizer steps after the first)."""
+        a = self.cfg.algo
+        x0, x_t, t, timestep, cond, noise = self._inputs(chunk, time_idx, noise, rollout)
+        with self.policy.precision():
+            v = predict_velocity(self.policy.model, x_t, timestep, cond, 1.0)
+            return weighted_matching_loss(matching_error(v, noise, x0), t, a.weighting, a.ghuber_power)
+
     def loss_and_backward(
         self,
         chunk: NFTSamples,
@@ -108,25 +133,21 @@ class AWM(Algorithm):
         weights,
         rollout,
         denominator: int,
+        old_loss: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """AWM loss of one micro-batch at one schedule index; backward of its share of the mean.
 
         time_idx [B] (one index for the micro-batch); noise [B, C, h, w]; weights [B] clipped, scaled
-        advantages. The forward process takes the schedule's sigma, the DiT the schedule's timestep, as in
-        sampling.
+        advantages; old_loss [B] the pre-update loss (`old_loss`), None on the first optimizer step (ratio 1).
+        The forward process takes the schedule's sigma, the DiT the schedule's timestep, as in sampling.
         """
         a = self.cfg.algo
-        x0 = chunk.final_latents.to(self.device)
-        t = rollout.sigmas[time_idx].to(self.device)
-        timestep = rollout.timesteps[time_idx].to(self.device)
-        noise = noise.to(self.device)
-        x_t = noised_latents(x0, noise, t)
-        cond = chunk.cond.to(self.device)
+        x0, x_t, t, timestep, cond, noise = self._inputs(chunk, time_idx, noise, rollout)
         with self.policy.precision():
             # CFG-free: the conditional velocity only (the reference's train.cfg=False).
             v = predict_velocity(self.policy.model, x_t, timestep, cond, 1.0)
             matching_b = weighted_matching_loss(matching_error(v, noise, x0), t, a.weighting, a.ghuber_power)
-            policy_b = awm_policy_loss(matching_b, weights, a.clip_range)
+            policy_b = awm_policy_loss(matching_b, weights, a.clip_range, old_loss)
             kl_b = torch.zeros_like(policy_b)
             anchor_b = torch.zeros_like(policy_b)
             if a.beta > 0:

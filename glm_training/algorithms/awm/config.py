@@ -66,7 +66,11 @@ class AWMConfig(AlgoConfig):
     scale_rewards: str = option(
         "batch", "the reference's per-prompt mean with the global std (global_std=True)"
     )
-    num_mini_batches: int = option(1, "optimizer steps per rollout (the reference: 1)")
+    num_mini_batches: int = option(
+        1,
+        "optimizer steps per rollout (the reference's configs: 1); the later ones are ratio-weighted against "
+        "the loss of the pre-update weights, as the reference",
+    )
     ema: bool = option(True, "EMA of the policy for evaluation (the reference's train.ema, decay 0.99)")
     ema_decay: float = option(0.99, "decay of the evaluation EMA (algo.ema); not the KL anchor")
 
@@ -82,6 +86,12 @@ class AWMConfig(AlgoConfig):
         _check_choice(self.kl_ema_decay_type, AWM_ANCHOR_DECAY_TYPES, "algo.kl_ema_decay_type")
         _check(self.advantage_max > 0, "algo.advantage_max", "must be > 0.")
         _check(self.clip_range > 0, "algo.clip_range", "must be > 0.")
+        _check(
+            self.num_inner_epochs == 1,
+            "algo.num_inner_epochs",
+            "must be 1: the reference (train_sd3_awm.py) makes one pass over a rollout; more optimizer steps "
+            "per rollout are algo.num_mini_batches.",
+        )
 
     def other_schema_hint(self, own: str) -> str:
         return f"the awm schema trains AWM; for '{self.name}' use configs/t2i_training.yaml."

@@ -13,7 +13,8 @@ Everything follows the authors' reference (`scxue/advantage_weighted_matching`, 
   p = 0.25, which down-weights samples the model fits badly);
 - the reference treats `-L` as a log-probability inside a PPO ratio, `r = exp(-L + L.detach())`, and takes
   `max(-A r, -A clip(r, 1 - c, 1 + c))`. Its shipped configs are on-policy: the ratio is exactly 1, and the
-  gradient is `A grad L`. `awm_policy_loss` keeps that form, so the logged loss means what it means there;
+  gradient is `A grad L`; with more optimizer steps per rollout the later ones take `r = exp(L_old - L)`.
+  `awm_policy_loss` keeps that form, so the logged loss means what it means there;
 - advantages `clip(A, +-adv_clip_max) / adv_clip_max * advantage_max`;
 - training times: `train_timesteps` indices of the sampling schedule, one drawn in each of that many equal
   bins of its first `int(num_steps * timestep_fraction)` steps, shared by a micro-batch

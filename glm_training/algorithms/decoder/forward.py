@@ -18,7 +18,7 @@ import torch
 
 from glm_training.algorithms.decoder.ode import NFTSamples, keep_for_update, sample_ode
 from glm_training.engine.collect import Batch
-from glm_training.engine.update import UpdateLoop, UpdateStats
+from glm_training.engine.update import UpdateLoop, UpdateStats, split_mini_batches
 
 # Offset of the update's noise seed from the rollout's, so the two streams never coincide.
 UPDATE_SEED_OFFSET = 1_000_000_007
@@ -59,6 +59,22 @@ def ode_chunk(module, latents, cond, timesteps, sigmas, sampling: Any) -> tuple[
     return keep_for_update(cond, final), final
 
 
+def _draw_pass(chunks: list, minis: list[list[int]], draw_times: DrawTimes, generator) -> dict[int, tuple]:
+    """Every micro-batch's (times [B, T], noise [T, B, C, h, w], None) for one pass, drawn in the update
+    loop's order from the update's own generator (so the same however far ahead the loop reads)."""
+    drawn = {}
+    for m in [m for mini in minis for m in mini]:
+        times_bk = draw_times(chunks[m].final_latents.shape[0], generator)
+        noise_kb = torch.randn((times_bk.shape[1], *chunks[m].final_latents.shape), generator=generator)
+        drawn[m] = (times_bk, noise_kb, None)
+    return drawn
+
+
+# (chunk, time_idx [B], noise [B, C, h, w], rollout) -> [B] the loss of the weights before the update, for
+# the micro-batches of the later optimizer steps (AWM's old loss, `forward_update`'s `old_losses`).
+OldLosses = Callable[..., torch.Tensor]
+
+
 def forward_update(
     updates: UpdateLoop,
     batch: Batch,
@@ -68,33 +84,52 @@ def forward_update(
     draw_times: DrawTimes,
     loss_and_backward: LossAndBackward,
     device: torch.device,
+    old_losses: OldLosses | None = None,
 ) -> UpdateStats:
     """`updates.run` over every micro-batch and training time; `per_sample` [N] (the algorithm's weight of
-    each sample) reaches the loss sliced to the micro-batch. `seed`: the rollout's (`sample_seed(step)`)."""
+    each sample) reaches the loss sliced to the micro-batch. `seed`: the rollout's (`sample_seed(step)`).
+
+    Each pass over the rollout draws every micro-batch's times and noise when it starts, in the update
+    loop's order, from the update's own generator. With `old_losses`, the micro-batches of the later
+    optimizer steps of a pass get the loss of the weights the pass started from, at their own times and
+    noise (`loss_and_backward`'s `old_loss`; the first step's micro-batches are on-policy, None), as the AWM
+    reference computes its ratio's old loss before the first step."""
     rollout: ForwardRollout = batch.rollout
     chunks = rollout.samples
     sizes = [c.final_latents.shape[0] for c in chunks]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     generator = torch.Generator().manual_seed(seed + UPDATE_SEED_OFFSET)
+    minis = split_mini_batches(len(chunks), updates.num_mini_batches)
+    current: dict[int, tuple] = {}  # micro-batch -> (times [B, T], noise [T, B, ...], old losses or None)
+
+    def start_pass() -> None:
+        current.update(_draw_pass(chunks, minis, draw_times, generator))
+        if old_losses is not None:
+            for m in [m for mini in minis[1:] for m in mini]:
+                times_bk, noise_kb, _ = current[m]
+                old = [
+                    old_losses(chunks[m], times_bk[:, j], noise_kb[j], rollout) for j in range(len(noise_kb))
+                ]
+                current[m] = (times_bk, noise_kb, old)
 
     def micro_steps(mini: list[int]):
+        if mini == minis[0]:
+            start_pass()
         num_samples = sum(sizes[m] for m in mini)
         for m in mini:
-            chunk = chunks[m]
+            times_bk, noise_kb, old = current[m]
             values = per_sample[offsets[m] : offsets[m] + sizes[m]].to(device)
-            # The update's own generator: drawn in the same order however far ahead the loop reads.
-            times_bk = draw_times(sizes[m], generator)
             num_times = times_bk.shape[1]
-            noise_kb = torch.randn((num_times, *chunk.final_latents.shape), generator=generator)
             for j in range(num_times):
                 yield functools.partial(
                     loss_and_backward,
-                    chunk,
+                    chunks[m],
                     times_bk[:, j],
                     noise_kb[j],
                     values,
                     rollout,
                     num_samples * num_times,
+                    **({} if old is None else {"old_loss": old[j]}),
                 )
 
     return updates.run(len(chunks), micro_steps, stat_names)

@@ -166,6 +166,14 @@ class FlowGRPOConfig(AlgoConfig):
             "(arXiv 2510.22319)."
         ),
     )
+    ema_update_interval: int = option(
+        8, "the EMA updates every 8th optimizer step: train_sd3.py's EMAModuleWrapper(update_step_interval=8)"
+    )
+    ema_every_micro_batch: bool = option(
+        True,
+        "train_sd3.py calls the EMA after every micro-batch, so an update acts once per micro-batch of its "
+        "step (with decay 0.9: about 0.974 a step on its 32-GPU configs, 2 micro-batches a step)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

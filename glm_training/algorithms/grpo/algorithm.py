@@ -55,8 +55,9 @@ def _token_level_loss(new_bt, old_bt, adv_b, mask_bt, clip_low: float, clip_high
     return clipped_policy_loss(new_bt, old_bt, adv_b[:, None], clip_low, clip_high, **verl_options)
 
 
-def _token_level_stats(new_bt, old_bt, mask_bt, clip_low: float, clip_high: float):
-    return ratio_stats(new_bt, old_bt, clip_low, clip_high, mask=mask_bt)
+def _token_level_stats(new_bt, old_bt, mask_bt, clip_low: float, clip_high: float, adv_b=None):
+    advantages = None if adv_b is None else adv_b[:, None]
+    return ratio_stats(new_bt, old_bt, clip_low, clip_high, mask=mask_bt, advantages=advantages)
 
 
 # algo.importance_sampling_level -> (per-token loss [B, T], ratio diagnostics), same signatures.
@@ -240,7 +241,8 @@ class GRPO(Algorithm):
             )
             loss = policy_loss + a.beta * kl
             self.policy.backward(loss * weight)
-        diag = ratio_stats_fn(new.detach(), old, mask, a.epsilon_low, a.epsilon_high)
+        # clip_frac as verl and TRL count it: the clips that change the loss.
+        diag = ratio_stats_fn(new.detach(), old, mask, a.epsilon_low, a.epsilon_high, adv)
         return {"loss": loss, "policy_loss": policy_loss, "kl": kl, **diag}
 
     def _aggregation_weights(self, micro: list[ARSamples]) -> list[float]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm_training.algorithms.losses import clipped_fraction
+
 
 def sequence_log_ratio(log_prob_bt: Tensor, old_log_prob_bt: Tensor, mask_bt: Tensor) -> Tensor:
     """``[B]`` float32 length-normalised log-ratio: masked mean over T of ``log_prob - old_log_prob``.
@@ -65,19 +67,25 @@ def gspo_policy_loss(
 
 @torch.no_grad()
 def sequence_ratio_stats(
-    log_prob_bt: Tensor, old_log_prob_bt: Tensor, mask_bt: Tensor, clip_low: float, clip_high: float
+    log_prob_bt: Tensor,
+    old_log_prob_bt: Tensor,
+    mask_bt: Tensor,
+    clip_low: float,
+    clip_high: float,
+    advantages_b: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Diagnostics of the sequence ratios, without gradients (means over the ``B`` samples).
 
-    Returns 0-d float32 tensors: ``clip_frac`` (fraction of samples whose ratio is outside
-    ``[1 - clip_low, 1 + clip_high]``), ``approx_kl`` (``0.5 * mean(sequence_log_ratio^2)``) and
+    Returns 0-d float32 tensors: ``clip_frac`` (the fraction of samples where the clip counts,
+    `losses.clipped_fraction`: outside ``[1 - clip_low, 1 + clip_high]``, or with ``advantages_b`` where the
+    clip changes the loss, as TRL's GSPO counts), ``approx_kl`` (``0.5 * mean(sequence_log_ratio^2)``) and
     ``ratio_mean``.
     """
     log_ratio_b = sequence_log_ratio(log_prob_bt, old_log_prob_bt, mask_bt)
     ratio_b = torch.exp(log_ratio_b)
-    outside_b = (ratio_b < 1.0 - clip_low) | (ratio_b > 1.0 + clip_high)
+    adv_b = None if advantages_b is None else advantages_b.reshape(-1)
     return {
-        "clip_frac": outside_b.float().mean(),
+        "clip_frac": clipped_fraction(ratio_b, clip_low, clip_high, adv_b).float().mean(),
         "approx_kl": 0.5 * (log_ratio_b**2).mean(),
         "ratio_mean": ratio_b.mean(),
     }
