@@ -434,7 +434,7 @@ def _assert_same_distribution(fast, reference, pipeline, params):
     torch.testing.assert_close(log_probs[mask], fast.sampling_log_probs[mask], rtol=0, atol=1e-5)
 
 
-def _assert_same_rollout(loop, generated):
+def _assert_same_rollout(loop, generated, atol: float = 1e-6):
     """The loop's rollout is generate()'s: every field equal, log-probs within 1e-6.
 
     The log-probs are not bitwise equal: the loop's preallocated cache makes attention sum over the whole
@@ -447,7 +447,7 @@ def _assert_same_rollout(loop, generated):
     assert loop.extra.keys() == generated.extra.keys()
     mask = generated.completion_mask
     assert (loop.sampling_log_probs[~mask] == 0).all()
-    torch.testing.assert_close(loop.sampling_log_probs, generated.sampling_log_probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(loop.sampling_log_probs, generated.sampling_log_probs, rtol=0, atol=atol)
 
 
 def test_the_decoding_loop_is_generates_rollout(samples, generated):
@@ -568,7 +568,10 @@ def test_the_decoding_loop_masks_as_eager_attention_takes_it(tiny_model_dir):
         decoding: sample_image_tokens(eager, PROMPTS, HEIGHT, WIDTH, params, seed=0, decoding=decoding)
         for decoding in DECODING_PATHS
     }
-    _assert_same_rollout(rollouts["loop"], rollouts["generate"])
+    # Eager attention's softmax sums the masked cache in another order than generate()'s shorter one (measured
+    # 4.8e-7 on an AVX-512 Zen 4); 1e-5 leaves room for other CPUs' kernels and is still far below what a
+    # boolean mask does (tokens differ, log-probs 0.44 apart).
+    _assert_same_rollout(rollouts["loop"], rollouts["generate"], atol=1e-5)
     text_config = eager.vision_language_encoder.config.get_text_config(decoder=True)
     text_config._attn_implementation_internal = "flash_attention_2"  # takes no 4-D mask (set as loaded)
     with pytest.raises(ValueError, match="attention 'flash_attention_2'.*sampling.decoding=generate"):

@@ -124,8 +124,11 @@ def test_later_optimizer_steps_weigh_the_loss_by_the_ratio_to_the_pre_update_los
     trainer = DiTTrainer(load_config(overrides, "t2i_training"))
     trainer.update(trainer.collect(0), 0)
     first, second = trainer.updates.last.mini_batches
-    assert first["policy_loss"] == -first["weight_mean"]
-    assert second["policy_loss"] != -second["weight_mean"]
+    # On-policy the policy loss is -mean(weight) up to the float32 rounding of that mean (its terms are
+    # float64, the logged weight mean float32: 1e-6 bounds it). Off-policy it moves off by far more (measured
+    # 1.1e-4 on an AVX-512 Zen 4): the ratio now acts.
+    assert abs(first["policy_loss"] + first["weight_mean"]) <= 1e-6
+    assert abs(second["policy_loss"] + second["weight_mean"]) > 2e-5
     assert np.isfinite(second["policy_loss"])
     with pytest.raises(ConfigError, match="algo.num_inner_epochs.*num_mini_batches"):
         load_config(["--config", "configs/awm_training.yaml", "algo.num_inner_epochs=2"], "t2i_training")
