@@ -1,22 +1,24 @@
-"""The decoder algorithms on reward per compute: Flow-GRPO, DiffusionNFT and AWM (issues 15, 24). A script
-to run, not a test.
+"""The decoder algorithms on reward per compute: Flow-GRPO, DiffusionNFT, AWM and DGPO (issues 15, 24, 36).
+A script to run, not a test.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/bench_nft.py --json out.json
     python benchmarks/bench_nft.py --budgets 20 40 80 --seeds 0 1 --nft optim.lr=1e-2 --algorithms nft awm
+    python benchmarks/bench_nft.py --budgets 20 40 80 --seeds 0 1 --lr 3e-2   # one learning rate for all
 
 The trainers start from the same tiny model (the same weights), train on the same prompts with the same
 reward, each with its own shipped tiny config (`configs/t2i_training.yaml`, `configs/nft_training.yaml`,
-`configs/awm_training.yaml`, plus the overrides given). They take training steps in turn, always the one
+`configs/awm_training.yaml`, `configs/dgpo_training.yaml`, plus the overrides given; `--lr` sets every
+one's `optim.lr`). They take training steps in turn, always the one
 that has used less CPU time, so the other engineers' load on the machine falls on all alike. The clock is
 the CPU time of this process (`time.process_time`, one thread) spent in `collect` + `update`; evaluation
 is outside it. Whenever an algorithm's CPU time crosses a budget, its held-out evaluation (the bundled eval
-prompts, one fixed seed per prompt, each algorithm's own sampler: Flow-GRPO with CFG 1.5, NFT and AWM
-CFG-free) is recorded. The figure of merit is the held-out reward gain over the algorithm's own step-0
+prompts, one fixed seed per prompt, each algorithm's own sampler: Flow-GRPO with CFG 1.5, NFT, AWM and
+DGPO CFG-free) is recorded. The figure of merit is the held-out reward gain over the algorithm's own step-0
 evaluation, per CPU second, at each budget.
 
-It also measures what the rollout keeps per sample for the update: NFT's and AWM's final latents and
-conditioning against Flow-GRPO's trajectory (latents before and after every SDE step, transition means,
-log-probs).
+It also measures what the rollout keeps per sample for the update: NFT's, AWM's and DGPO's final latents
+and conditioning against Flow-GRPO's trajectory (latents before and after every SDE step, transition
+means, log-probs).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ ALGORITHMS = {
     "flow_grpo": (DiTTrainer, "t2i_training"),
     "nft": (DiTTrainer, "nft_training"),
     "awm": (DiTTrainer, "awm_training"),
+    "dgpo": (DiTTrainer, "dgpo_training"),
 }
 
 
@@ -70,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flow-grpo", nargs="*", default=[], help="overrides for configs/t2i_training.yaml")
     p.add_argument("--nft", nargs="*", default=[], help="overrides for configs/nft_training.yaml")
     p.add_argument("--awm", nargs="*", default=[], help="overrides for configs/awm_training.yaml")
+    p.add_argument("--dgpo", nargs="*", default=[], help="overrides for configs/dgpo_training.yaml")
+    p.add_argument(
+        "--lr", type=float, default=None, help="optim.lr of every algorithm (default: each config's)"
+    )
     p.add_argument("--algorithms", nargs="+", choices=tuple(ALGORITHMS), default=list(ALGORITHMS))
     p.add_argument(
         "--clock",
@@ -147,7 +154,7 @@ def compare(seed: int, args: argparse.Namespace) -> dict:
             Run(
                 name,
                 *ALGORITHMS[name],
-                getattr(args, name),
+                [*getattr(args, name), *([f"optim.lr={args.lr}"] if args.lr is not None else [])],
                 seed,
                 args.budgets,
                 args.eval_prompts,

@@ -5,9 +5,11 @@ One 2-rank launch (a module fixture) trains, 2 steps each:
   resumed from its first checkpoint: the EMA (`ema.pt`) equals DDP's within fp32 rounding, its evaluation
   scores what DDP's does, and the resumed run's EMA is the uninterrupted one's, bit for bit;
 - DiffusionNFT as a full fine-tune (the old model: a frozen copy of the module under DDP, shards copied in and
-  out under FSDP) and AWM with LoRA and both of its KL terms (the anchor: a second copy of the adapters),
-  each under ddp and fsdp, and the fsdp NFT run resumed from its first checkpoint: trained weights and the
-  old model / anchor files equal DDP's within fp32 rounding, the resumed run's bit for bit.
+  out under FSDP), AWM with LoRA and both of its KL terms (the anchor: a second copy of the adapters) and
+  DGPO as a full fine-tune with its KL (a frozen base model and the EMA reference, which samples the second
+  step; 3 groups of 4 on 2 ranks, so one group's sums span both), each under ddp and fsdp, and the fsdp NFT
+  run resumed from its first checkpoint: trained weights and the old model / anchor / EMA reference files
+  equal DDP's within fp32 rounding, the resumed run's bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from conftest import DIT_SMALL, REPO, torchrun
 from safetensors.torch import load_file
 
 from glm_training.algorithms.awm.algorithm import ANCHOR_FILE
+from glm_training.algorithms.dgpo.algorithm import EMA_REF_FILE
 from glm_training.algorithms.nft.algorithm import OLD_POLICY_FILE
 from glm_training.metrics import read_metrics
 
@@ -58,7 +61,20 @@ AWM = [
     "algo.train_timesteps=2",
     "optim.lr=1e-3",
 ]
-EXTRA_FILES = {"nft": OLD_POLICY_FILE, "awm": ANCHOR_FILE}
+DGPO = [
+    "--config-name",
+    "dgpo_training",
+    *[a for a in COMMON if not a.startswith(("data.num_generations=", "data.num_groups_per_step="))],
+    "data.num_generations=4",
+    "data.num_groups_per_step=3",
+    "model.lora.enabled=false",
+    "algo.beta=0.02",
+    "algo.trunc_steps=2",
+    "algo.train_timesteps=2",
+    "algo.switch_ema_ref=0",
+    "optim.lr=1e-3",
+]
+EXTRA_FILES = {"nft": OLD_POLICY_FILE, "awm": ANCHOR_FILE, "dgpo": EMA_REF_FILE}
 
 
 def _final(run, name: str) -> tuple[dict, dict]:
@@ -81,7 +97,7 @@ def launch(tmp_path_factory):
             f"trainer.resume={tmp_path / 'fsdp' / 'checkpoints' / 'step-000001'}",
         ],
     }
-    for algo, args in (("nft", NFT), ("awm", AWM)):
+    for algo, args in (("nft", NFT), ("awm", AWM), ("dgpo", DGPO)):
         for strategy in ("ddp", "fsdp"):
             out = tmp_path / f"{algo}_{strategy}"
             runs[f"{algo}_{strategy}"] = [*args, f"trainer.strategy={strategy}", f"trainer.output_dir={out}"]
@@ -126,9 +142,9 @@ def _assert_same_run(rows_ddp: list[dict], rows_fsdp: list[dict]) -> None:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
 
 
-def test_nft_and_awm_policy_copies_under_fsdp_equal_ddp(launch):
+def test_nft_awm_and_dgpo_policy_copies_under_fsdp_equal_ddp(launch):
     tmp_path, reports = launch
-    for algo in ("nft", "awm"):
+    for algo in ("nft", "awm", "dgpo"):
         fsdp = [rep[f"{algo}_fsdp"] for rep in reports]
         assert all(r["sharded"] and r["local"] < r["total"] for r in fsdp)
         (w_ddp, copy_ddp), (w_fsdp, copy_fsdp) = (
@@ -143,6 +159,9 @@ def test_nft_and_awm_policy_copies_under_fsdp_equal_ddp(launch):
         assert any(not torch.equal(copy_fsdp[n], w_fsdp[n]) for n in w_fsdp)
         rows = {s: read_metrics(tmp_path / f"{algo}_{s}" / "metrics.jsonl") for s in ("ddp", "fsdp")}
         _assert_same_run(rows["ddp"], rows["fsdp"])
+    for strategy in ("ddp", "fsdp"):  # switch_ema_ref=0: the EMA reference samples once a step is done
+        rows = read_metrics(tmp_path / f"dgpo_{strategy}" / "metrics.jsonl")
+        assert [r["sampled_by_ema_ref"] for r in rows] == [0.0, 1.0]
     (w_full, old_full), (w_resumed, old_resumed) = (
         _final(tmp_path / name, OLD_POLICY_FILE) for name in ("nft_fsdp", "nft_resumed")
     )

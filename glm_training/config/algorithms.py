@@ -25,6 +25,7 @@ BUILTIN = (
     "glm_training.algorithms.flow_grpo",
     "glm_training.algorithms.nft",
     "glm_training.algorithms.awm",
+    "glm_training.algorithms.dgpo",
     "glm_training.algorithms.grpo",
 )
 

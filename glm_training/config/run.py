@@ -70,6 +70,11 @@ class AlgoConfig:
         _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
         _check(self.ema_update_interval >= 1, "algo.ema_update_interval", "must be >= 1.")
 
+    def uses_reference(self) -> bool:
+        """Whether the update calls the base model (`Policy.reference_model`): a full fine-tune then keeps a
+        frozen copy of it. The KL's by default; an algorithm whose loss reads the base model says so here."""
+        return self.beta > 0
+
     def other_schema_hint(self, own: str) -> str:
         """The error when `algo.name` is not this section's algorithm."""
         return (

@@ -1,5 +1,5 @@
 """The evaluation EMA's update rule, as the references keep it (Flow-GRPO's `flow_grpo/ema.py`
-`EMAModuleWrapper`, which DiffusionNFT, AWM and DGPO copy).
+`EMAModuleWrapper`, which the decoder references copy).
 
 One update moves each shadow weight towards its parameter, `ema += (1 - d) (param - ema)`, with the warm-up
 decay `d = min((1 + s) / (10 + s), ema_decay)` of the optimizer-step count `s`, and only on the counts where

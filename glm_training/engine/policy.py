@@ -162,8 +162,8 @@ class Policy:
         else:
             for sub in self.half.trained_parts(module):
                 sub.requires_grad_(True)
-            if self.cfg.algo.beta > 0:
-                # Full fine-tuning: the KL reference is a frozen copy of the base weights.
+            if self.cfg.algo.uses_reference():
+                # Full fine-tuning: the reference is a frozen copy of the base weights.
                 reference = copy.deepcopy(module).requires_grad_(False).eval()
         # Parameters outside the submodules the forward pass uses (e.g. LoRA adapters a target name put into
         # the AR model's vision tower) stay frozen: they would get no gradient, which DDP refuses.

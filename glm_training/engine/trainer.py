@@ -265,7 +265,7 @@ class Trainer:
 
 
 class DiTTrainer(Trainer):
-    """A run that trains the DiT decoder (Flow-GRPO, DiffusionNFT, AWM: the config's `algo.name`)."""
+    """A run that trains the DiT decoder with the DiT algorithm its config's `algo.name` names."""
 
     component = "dit"
 

@@ -21,9 +21,10 @@ from glm_training.plan.report import Term, format_count
 
 
 def has_reference(cfg: Any) -> bool:
-    """Whether the run keeps a frozen KL reference copy of the trained component (full fine-tuning with
-    `algo.beta > 0`; LoRA's reference is the base model with the adapters off)."""
-    return not cfg.model.lora.enabled and cfg.algo.beta > 0
+    """Whether the run keeps a frozen reference copy of the trained component (full fine-tuning whose
+    algorithm reads the base model, `algo.uses_reference()`: the KL's `beta > 0`; LoRA's reference is the base
+    model with the adapters off)."""
+    return not cfg.model.lora.enabled and cfg.algo.uses_reference()
 
 
 def weight_terms(cfg: Any, modules: dict[str, nn.Module], trained_name: str, shard: int) -> list[Term]:

@@ -9,7 +9,10 @@ and the velocity is fitted to `eps - x_0`:
   `A > 0` and `r > 1 + c`, or `A <= 0` and `r < 1 - c`, the loss is detached (no gradient);
 - `group_sums`: `S_g = sum_{i in g} (beta_dpo / G) A_i (sg(l_i) - l_i^ref)`, this rank's share (the reference
   all-reduces it over ranks; `G` is the group size);
-- `dgpo_loss`: `mean_i sigmoid(S_g(i)) A_i l~_i` with the weight detached.
+- `dgpo_loss`: `mean_i sigmoid(S_g(i)) A_i l~_i` with the weight detached;
+- `train_time_indices`: the `num_train_timesteps` schedule indices drawn without replacement from
+  `{0, ..., trunc_steps}` (the reference's `generate_shared_sampled_timesteps`);
+- `ref_decay`: the EMA reference's decay `min(cap, 0.001 k)` after k optimizer steps.
 
 The signed advantage is the preference: `A > 0` is the positive set, `A < 0` the negative one, `|A|` the
 weight; a group whose rewards are all equal has `A = 0` and contributes nothing. The gradient is
@@ -60,3 +63,17 @@ def dgpo_loss(loss: Tensor, advantages: Tensor, sums: Tensor, group_index: Tenso
     """0-d: `mean_i w_g(i) A_i l_i` with `w = sigmoid(S)`, `sums` every rank's `group_sums`, detached."""
     weights = torch.sigmoid(sums)[group_index].detach()
     return (weights * advantages * loss).mean()
+
+
+def train_time_indices(trunc_steps: int, num_times: int, generator: torch.Generator) -> Tensor:
+    """[num_times] distinct schedule indices from {0, ..., trunc_steps}, in the order drawn (the reference's
+    `random.sample(range(trunc_steps + 1), M)` on rank 0, broadcast)."""
+    if not 1 <= num_times <= trunc_steps + 1:
+        raise ValueError(f"cannot draw {num_times} distinct indices from {{0, ..., {trunc_steps}}}")
+    return torch.randperm(trunc_steps + 1, generator=generator)[:num_times]
+
+
+def ref_decay(steps_before: int, cap: float) -> float:
+    """The EMA reference's decay at the optimizer step after `steps_before` ones: `min(cap, 0.001 k)` (the
+    reference's `ema_ref.step(..., decay=min(0.3, 0.001 * global_step))` before `global_step` counts it)."""
+    return min(cap, 0.001 * steps_before)
