@@ -56,6 +56,7 @@ UNIT_FILES = {
     "test_algorithm_table.py",
     "test_cli_flags.py",
     "test_config.py",
+    "test_dgpo.py",
     "test_flat_groups.py",
     "test_flow_grpo.py",
     "test_gspo.py",
@@ -87,6 +88,7 @@ LONGEST_FILES = (
     "test_shape_fixture.py",
     "test_evaluate.py",
     "test_awm_training.py",
+    "test_dgpo_training.py",
     "test_sharded_checkpoints.py",
 )
 

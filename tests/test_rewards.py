@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import threading
 import time
 from concurrent import futures
@@ -251,6 +252,48 @@ def test_normalized_sum_against_hand_arithmetic():
     # Scale invariance: multiplying a reward by 1000 does not change the normalised total.
     scaled = {"a": parts["a"] * 1000.0, "b": parts["b"]}
     torch.testing.assert_close(normalized_sum(scaled, weights, 2, eps=0.0), total)
+
+
+def gdpo_advantages(rewards_nk: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """NVlabs/GDPO at b080e63, `trl-GDPO/trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py` lines 1221-1245 (the
+    `apply_gdpo` branch): each reward standardised in its group with torch's default (unbiased) std, the
+    weighted sum, then the batch mean and unbiased std of the sum."""
+    per_reward = []
+    for i in range(len(weights)):
+        reward_i = torch.nan_to_num(rewards_nk)[:, i]
+        mean = reward_i.view(-1, num_generations).mean(dim=1).repeat_interleave(num_generations, dim=0)
+        std = reward_i.view(-1, num_generations).std(dim=1).repeat_interleave(num_generations, dim=0)
+        per_reward.append((reward_i - mean) / (std + 1e-4))
+    pre_bn = (torch.stack(per_reward, dim=1) * weights.unsqueeze(0)).nansum(dim=1)
+    return (pre_bn - pre_bn.mean()) / (pre_bn.std() + 1e-4)
+
+
+@pytest.mark.parametrize("num_groups, num_generations", [(4, 4), (8, 16), (3, 24)])
+def test_normalized_sum_with_batch_scaling_is_gdpo_up_to_the_std_estimator(num_groups, num_generations):
+    """`reward.combine=normalized_sum` with `algo.scale_rewards=batch` is GDPO's advantage (arXiv 2601.05242).
+    The one difference is the estimator of the std: GDPO divides by torch's unbiased stds, this project by
+    population stds (as Flow-GRPO's np.std). Inside the groups that scales every reward by the same
+    sqrt((K - 1) / K), which the batch step divides out; over the batch it leaves ours larger by
+    sqrt(N / (N - 1)), N = G * K, a constant factor (an lr change of 0.2-3% here). Bound: eps = 1e-4 is added
+    to stds of different sizes on the two sides, 1e-3 relative."""
+    from glm_training.engine.advantages import batch_std_advantages
+    from glm_training.rewards.combine import normalized_sum
+
+    generator = torch.Generator().manual_seed(num_groups * num_generations)
+    n = num_groups * num_generations
+    parts = {
+        "ocr": torch.rand(n, generator=generator),
+        "aesthetic": 5 + 2 * torch.randn(n, generator=generator),
+    }
+    parts["ocr"][:num_generations] = 0.5  # a flat group in one reward: 0 from it, in both
+    weights = {"ocr": 1.0, "aesthetic": 0.3}
+    total = normalized_sum(parts, weights, num_generations)
+    ours = batch_std_advantages(total.view(num_groups, num_generations)).reshape(-1)
+    theirs = gdpo_advantages(
+        torch.stack([parts["ocr"], parts["aesthetic"]], dim=1), torch.tensor([1.0, 0.3]), num_generations
+    )
+    torch.testing.assert_close(ours * math.sqrt((n - 1) / n), theirs, rtol=1e-3, atol=1e-5)
+    assert not torch.allclose(ours, theirs, rtol=1e-4, atol=0)  # the factor is there, and measurable
 
 
 def test_reward_set_combine_modes():
