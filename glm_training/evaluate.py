@@ -19,6 +19,9 @@ Two guards against reward hacking, both off by default (the default result is un
   `normalized_edit_distance`); the overall numbers are means over those prompts, and prompts without text are
   left out and counted (an evaluation set without any is a `ConfigError` at start-up).
 
+With `image_stats` (the trainer's `eval.image_stats`, on by default) each image's statistics
+(`image_stats.py`) are summarised as `image_stats` and scalars `eval/image/<name>`.
+
 During training (`eval.every_n_steps`) the trainer calls `evaluate_prompts` on its live (or EMA) weights;
 standalone:
 
@@ -45,6 +48,7 @@ from glm_training.config import ConfigError
 from glm_training.data import Prompt, PromptFileError, load_prompts
 from glm_training.distributed import collectives as dist
 from glm_training.image_grid import caption, make_image_grid
+from glm_training.image_stats import image_record, summarise
 from glm_training.models.halves import model_half
 from glm_training.pipeline.dit import generate_prior_tokens, prompt_seed, render_with_pipeline, seeded_latents
 from glm_training.rewards.combine import RewardSet, weighted_sum
@@ -257,6 +261,7 @@ def evaluate_prompts(
     equal_calls: bool = False,
     watched: RewardSet | None = None,
     recogniser: OcrReward | None = None,
+    image_stats: bool = False,
 ) -> tuple[dict[str, Any], list]:
     """Sample and score every prompt; ranks take whole batches and gather the scores.
 
@@ -285,6 +290,7 @@ def evaluate_prompts(
                     {name: float(v[j]) for name, v in parts.items()},
                     {name: float(v[j]) for name, v in watched_parts.items()},
                     text_scores(recogniser, image, prompts[i]) if recogniser is not None else None,
+                    image_record(image) if image_stats else None,
                 )
             )
     gathered = sorted(
@@ -315,6 +321,8 @@ def evaluate_prompts(
         }
     if recogniser is not None:
         result["text_metrics"] = summarise_text_metrics([r[4] for r in gathered])
+    if image_stats:
+        result["image_stats"] = summarise([r[5] for r in gathered])
     return result, ([r[1] for r in gathered if r[1] is not None] if rank == 0 else [])
 
 
@@ -328,6 +336,7 @@ def eval_scalars(result: dict[str, Any]) -> dict[str, float]:
     if text is not None and text["num_with_text"]:
         scalars["eval/text/word_accuracy"] = text["word_accuracy"]
         scalars["eval/text/ned"] = text["normalized_edit_distance"]
+    scalars.update({f"eval/image/{name}": v for name, v in result.get("image_stats", {}).items()})
     return scalars
 
 
@@ -454,12 +463,21 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
         pipeline = GlmImagePipeline.from_pretrained(
             resolve_model_path(cfg.model.name, cfg.model.tiny_seed, cfg.model.shape_layers()), dtype=dtype
         )
-    _apply_chained_weights(pipeline, cfg, [info.component for info in infos] if args.checkpoint else [])
+    from glm_training.frozen_weights import apply_chained_weights
+
+    apply_chained_weights(pipeline, cfg, [info.component for info in infos] if args.checkpoint else [])
     device = dist.choose_device(0)
     pipeline.to(device)
     pipeline.set_progress_bar_config(disable=True)
     result, images = evaluate_prompts(
-        pipeline, prompts, reward_set, sampling, device=device, watched=watched, recogniser=recogniser
+        pipeline,
+        prompts,
+        reward_set,
+        sampling,
+        device=device,
+        watched=watched,
+        recogniser=recogniser,
+        image_stats=cfg.eval.image_stats,
     )
     reward_set.close()
     if watched is not None:
@@ -467,23 +485,6 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> str:
     path = write_evaluation(output, step, result, *grid_samples(result, images, cfg.eval.num_grid_images))
     print(json.dumps({"step": step, **eval_scalars(result)}))
     return f"evaluation written to {path}"
-
-
-def _apply_chained_weights(pipeline, cfg: Any, given: list[str]) -> None:
-    """The run's `model.ar_weights` / `model.dit_weights` for the halves no `--checkpoint` supplies.
-
-    A DiT run chained to a trained AR model (and trained on priors cached from it) is evaluated with that AR
-    model: its live tokens are the cached ones, so the numbers equal the training-time evaluation's.
-    """
-    from glm_training.frozen_weights import apply_weights_source, resolve_weights_source
-    from glm_training.models.halves import HALVES
-
-    for component in HALVES:
-        if component in given or component == cfg.component:
-            continue
-        source = resolve_weights_source(cfg.model, component)
-        if source is not None:
-            apply_weights_source(pipeline, source)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,20 @@ def apply_weights_source(pipeline: Any, source: WeightsSource) -> None:
 # Fingerprints
 
 
+def apply_chained_weights(pipeline: Any, cfg: Any, given: list[str]) -> None:
+    """The run's `model.ar_weights` / `model.dit_weights` for the halves no `--checkpoint` supplies.
+
+    A DiT run chained to a trained AR model (and trained on priors cached from it) is evaluated with that AR
+    model: its live tokens are the cached ones, so the numbers equal the training-time evaluation's.
+    """
+    for component in HALVES:
+        if component in given or component == cfg.component:
+            continue
+        source = resolve_weights_source(cfg.model, component)
+        if source is not None:
+            apply_weights_source(pipeline, source)
+
+
 def _file_digest(path: Path) -> str:
     """sha256 of a file; for a Hugging Face cache snapshot link, the blob's name (already its sha256)."""
     if path.is_symlink():

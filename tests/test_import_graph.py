@@ -82,7 +82,10 @@ def test_entry_point_helpers_import_no_trainer():
 # (`algorithms/<name>/config.py`, `algorithms/<name>/__init__.py`): those are config, torch-free, below
 # everything that trains.
 LAYERS = [
-    ("base", {"errors", "logs", "image_grid", "data", "prompts", "metrics", "guards", "tracking"}),
+    (
+        "base",
+        {"errors", "logs", "image_grid", "image_stats", "data", "prompts", "metrics", "guards", "tracking"},
+    ),
     ("config", {"config"}),
     ("models", {"models", "environment"}),
     ("checkpoint", {"checkpoint"}),

@@ -159,6 +159,21 @@ class RewardConfig:
         return dict(zip(self.names, (float(w) for w in weights)))
 
 
+# The image statistics the reward-hacking monitors report (`glm_training/image_stats.py` STATISTICS), each
+# with the drift from step 0 past which `eval.hacking_alarm` acts: mean luma and fractions of pixels in
+# [0, 1], bits of colour entropy, mean thumbnail distances.
+HACKING_BOUNDS = {
+    "brightness": 0.25,
+    "dark_fraction": 0.25,
+    "bright_fraction": 0.25,
+    "colour_entropy": 2.0,
+    "edge_density": 0.2,
+    "saturation": 0.25,
+    "diversity": 0.1,
+}
+HACKING_ALARMS = ("off", "warn", "error")
+
+
 @dataclass
 class EvalConfig:
     """Held-out evaluation: deterministic sampling (ODE, no SDE noise, one fixed seed per prompt).
@@ -204,8 +219,47 @@ class EvalConfig:
         ),
     )
 
+    image_stats: bool = option(
+        True,
+        (
+            "Image statistics of every step's samples (metrics image/<name>) and of every evaluation "
+            "(eval/image/<name>), each with its change from step 0 (<name>_change): brightness, near-black "
+            "and near-white fractions, colour entropy, edge density, saturation, a group's diversity "
+            "(docs/outputs.md)"
+        ),
+    )
+    hacking_alarm: str = option(
+        "warn",
+        (
+            "off | warn | error: when an image statistic has drifted from step 0 by more than its bound "
+            "in eval.hacking_bounds while the reward rose, warn (once per statistic) or stop the run, "
+            "naming the statistic and the step"
+        ),
+    )
+    hacking_bounds: dict[str, float] = option(
+        factory=lambda: dict(HACKING_BOUNDS),
+        help="the largest drift from step 0 each image statistic may take before eval.hacking_alarm acts",
+    )
+
     def __post_init__(self) -> None:
         _check(self.every_n_steps >= 0, "eval.every_n_steps", "must be >= 0 (0 = no evaluation).")
+        _check_choice(self.hacking_alarm, HACKING_ALARMS, "eval.hacking_alarm")
+        unknown = sorted(set(self.hacking_bounds) - set(HACKING_BOUNDS))
+        _check(
+            not unknown,
+            "eval.hacking_bounds",
+            f"{unknown} are not image statistics; the statistics are {sorted(HACKING_BOUNDS)}.",
+        )
+        _check(
+            all(v > 0 for v in self.hacking_bounds.values()),
+            "eval.hacking_bounds",
+            "every bound must be > 0.",
+        )
+        _check(
+            self.hacking_alarm == "off" or self.image_stats,
+            "eval.hacking_alarm",
+            "needs eval.image_stats=true (the statistics it watches); or set eval.hacking_alarm=off.",
+        )
         repeated = sorted({n for n in self.watch_rewards if self.watch_rewards.count(n) > 1})
         _check(not repeated, "eval.watch_rewards", f"names {repeated} more than once; name each once.")
         _check(

@@ -51,14 +51,15 @@ def resolve_output_dir(cfg: Any, is_main: bool) -> Path:
 
 
 class Checkpointer:
-    """Saves and resumes `policy` (weights, optimizer, schedule, EMA) and `algorithm`'s own state
-    (`algorithm.state()`: {file name: object}, restored by `algorithm.load_state(folder)`)."""
+    """Saves and resumes `policy` (weights, optimizer, schedule, EMA) and the own state of each of `parts`
+    (the algorithm, the monitors: `part.state()`: {file name: object}, restored by
+    `part.load_state(folder)`)."""
 
-    def __init__(self, cfg: Any, output_dir: Path, policy: Any, algorithm: Any, rank: int, is_main: bool):
+    def __init__(self, cfg: Any, output_dir: Path, policy: Any, parts: list[Any], rank: int, is_main: bool):
         self.cfg = cfg
         self.output_dir = output_dir
         self.policy = policy
-        self.algorithm = algorithm
+        self.parts = parts
         self.rank = rank
         self.is_main = is_main
         self.pending = None  # a checkpoint being written in the background (trainer.async_save)
@@ -88,7 +89,7 @@ class Checkpointer:
             is_main=self.is_main,
             barrier=dist.barrier,
             parallel=policy.parallel,
-            extra_files=self.algorithm.state(),
+            extra_files={name: obj for part in self.parts for name, obj in part.state().items()},
             background_group=background,
         )
         if self.pending.done:
@@ -106,7 +107,7 @@ class Checkpointer:
         dist.barrier()
 
     def resume(self) -> int:
-        """Load `trainer.resume`'s checkpoint into the policy and the algorithm; the step it was written at
+        """Load `trainer.resume`'s checkpoint into the policy and the parts; the step it was written at
         (0 without `trainer.resume`)."""
         resume = self.cfg.trainer.resume
         if not resume:
@@ -132,7 +133,8 @@ class Checkpointer:
         )
         if policy.ema is not None and ema_state is not None:
             policy.parallel.load_ema_state(policy.ema, ema_state)
-        self.algorithm.load_state(path)
+        for part in self.parts:
+            part.load_state(path)
         logger.info("resumed from %s at step %d", path, step)
         return step
 

@@ -62,6 +62,7 @@ class Evaluation:
                 equal_calls=policy.parallel.equal_calls,
                 watched=inputs.watched_rewards,
                 recogniser=inputs.text_recogniser,
+                image_stats=self.cfg.eval.image_stats,
             )
         scalars = eval_scalars(result)
         if is_main:
@@ -76,9 +77,18 @@ class Evaluation:
         return [device.index or 0] if device.type == "cuda" else []
 
 
+def best_and_worst(rewards: list[float], num_images: int) -> list[int]:
+    """Indices of the highest-reward half of `num_images` samples, best first, then the lowest-reward half,
+    worst last: the grid that shows what the reward pays for (each sample once)."""
+    order = sorted(range(len(rewards)), key=lambda i: rewards[i], reverse=True)
+    half = min(max(num_images // 2, 1), len(order) // 2)
+    return order[:half] + order[len(order) - half :] if half else order[:num_images]
+
+
 class Progress:
     """The progress bar (or a log line per step on rank 0 without one), tracker scalars, and every
-    `logging.images_every_n_steps` steps a grid of the step's samples."""
+    `logging.images_every_n_steps` steps a grid of the step's samples and one of its highest-reward samples
+    beside its lowest (`train/best_worst`, this rank's)."""
 
     def __init__(self, cfg: Any, tracker: Any, is_main: bool, start_step: int, component: str):
         self.cfg = cfg
@@ -115,6 +125,13 @@ class Progress:
             images, texts, rewards = (x[: self.cfg.logging.num_images] for x in preview)
             self.tracker.log_images(
                 step, "train/samples", list(images), [caption(t, r) for t, r in zip(texts, rewards)]
+            )
+            shown = best_and_worst(preview[2], self.cfg.logging.num_images)
+            self.tracker.log_images(
+                step,
+                "train/best_worst",
+                [preview[0][i] for i in shown],
+                [caption(preview[1][i], preview[2][i]) for i in shown],
             )
 
     def close(self) -> None:

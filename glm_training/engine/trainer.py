@@ -26,6 +26,7 @@ from glm_training.distributed.strategies import make_parallelism
 from glm_training.engine.checkpointing import Checkpointer, resolve_output_dir
 from glm_training.engine.collect import Batch, Collector
 from glm_training.engine.inputs import RunInputs, open_priors
+from glm_training.engine.monitor import ImageMonitor
 from glm_training.engine.parts import Parts
 from glm_training.engine.policy import Policy
 from glm_training.engine.reporting import Evaluation, Progress
@@ -91,8 +92,9 @@ class Trainer:
         self.collector = Collector(cfg, self.inputs.prompts, self.rewards, self.rank, self.world_size)
         algorithm_cls = algorithm or algorithm_of(cfg).algorithm_class()
         self.algorithm = algorithm_cls(cfg, Parts(self.policy, self.updates, self.collector, self.priors))
+        self.monitor = ImageMonitor(cfg)
         self.checkpoints = Checkpointer(
-            cfg, self.output_dir, self.policy, self.algorithm, self.rank, self.is_main
+            cfg, self.output_dir, self.policy, [self.algorithm, self.monitor], self.rank, self.is_main
         )
         self.start_step = self.checkpoints.resume()
         if self.start_step:
@@ -196,6 +198,7 @@ class Trainer:
         nonfinite = skipped > 0 or not math.isfinite(update_stats.get("loss", 0.0))
         skips.record(reward_failed or nonfinite, "reward failure" if reward_failed else "non-finite loss")
         record = {"step": step + 1, **batch.stats, **update_stats}
+        record.update(self.monitor.step_scalars(batch, batch.stats.get("reward_mean", math.nan)))
         record["skipped_nonfinite"] = skipped
         record["skipped_reward_failure"] = int(reward_failed)
         record["lr"] = self.policy.lr_scheduler.get_last_lr()[0]
@@ -205,6 +208,7 @@ class Trainer:
         self.metrics.write(record)
         progress.log(record, batch.preview)
         skips.check(step + 1)
+        self.monitor.check(record)
         dist.set_phase("checkpoint", step + 1)
         stop = signals.agreed()  # every rank, every step: all stop at the same step
         self._maybe_save(step + 1, skips, stop)
@@ -225,8 +229,10 @@ class Trainer:
         return self.algorithm.update(batch, step)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Evaluation scalars at `step` (empty when no evaluation is due)."""
-        return self.evaluation.maybe_run(step, self.rank, self.world_size, self.is_main)
+        """Evaluation scalars at `step` (empty when no evaluation is due), with the image statistics' change
+        from step 0's."""
+        scalars = self.evaluation.maybe_run(step, self.rank, self.world_size, self.is_main)
+        return {**scalars, **self.monitor.eval_changes(scalars)}
 
     def save(self, step: int, at_once: bool = True) -> None:
         """The checkpoint of `step` (collective); with `trainer.async_save`, unless `at_once`, in the
