@@ -49,9 +49,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # After training: export a diffusers folder, evaluate weights on held-out prompts.
     "export_pipeline": ("glm_training.export", "export"),
     "load_pipeline_from_checkpoints": ("glm_training.export", "load_pipeline_from_checkpoints"),
-    "evaluate_prompts": ("glm_training.evaluate", "evaluate_prompts"),
-    "eval_sampling": ("glm_training.evaluate", "eval_sampling"),
-    "load_eval_prompts": ("glm_training.evaluate", "load_eval_prompts"),
+    "evaluate_prompts": ("glm_training.evaluation", "evaluate_prompts"),
+    "eval_sampling": ("glm_training.evaluation", "eval_sampling"),
+    "load_eval_prompts": ("glm_training.evaluation", "load_eval_prompts"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -145,6 +145,10 @@ def test_dgpo_with_its_kl_and_ema_reference_sampling_resumes_bit_exact(tmp_path)
     assert [r["step"] for r in rows_part] == [1, 2, 3]
     for x, y in zip(rows_full, rows_part):
         assert x["reward_mean"] == y["reward_mean"] and x["loss"] == y["loss"]
+        # The image statistics' change from step 1 continues from the saved step-1 values (image_monitor.pt).
+        changes = [k for k in x if k.startswith("image/") and k.endswith("_change")]
+        assert changes and all(x[k] == y[k] for k in changes)
+    assert any(rows_part[2][k] != 0 for k in changes)
     # d = min(0.3, 0.001 k) after k earlier optimizer steps; the reference samples once 2 > 1 are done.
     assert [r["ref_decay"] for r in rows_full] == pytest.approx([0.0, 0.001, 0.002])
     assert [r["sampled_by_ema_ref"] for r in rows_full] == [0.0, 0.0, 1.0]

@@ -11,7 +11,7 @@ from diffusers import GlmImagePipeline
 from glm_training.cli import run
 from glm_training.config import ConfigError, DiTSamplingConfig, FlowGRPOConfig, load_config
 from glm_training.engine.trainer import DiTTrainer
-from glm_training.evaluate import eval_sampling
+from glm_training.evaluation import eval_sampling
 from glm_training.pipeline.dit import (
     build_guidance_inputs,
     glm_image_schedule,

@@ -12,7 +12,7 @@ from glm_training.cli import run
 from glm_training.config import ConfigError, load_config
 from glm_training.data import Prompt
 from glm_training.engine.trainer import DiTTrainer
-from glm_training.evaluate import (
+from glm_training.evaluation import (
     check_eval_prompts,
     eval_scalars,
     grid_samples,

@@ -121,7 +121,7 @@ def test_standalone_text_metrics_compare_the_recognised_text(tmp_path, capsys):
 
 
 def test_rank_batches_deal_whole_batches():
-    from glm_training.evaluate import rank_batches
+    from glm_training.evaluation import rank_batches
 
     # 7 prompts in batches of 3: [0, 1, 2], [3, 4, 5], [6]; two ranks take batches 0, 2 and 1.
     assert rank_batches(7, 3, 0, 2) == [[0, 1, 2], [6]]
@@ -226,7 +226,7 @@ def test_ar_run_with_evaluation_overlap_and_wandb_offline(tmp_path):
 def test_equal_calls_give_every_rank_the_same_batches_and_score_each_prompt_once(
     num_prompts, batch_size, world_size
 ):
-    from glm_training.evaluate import _rank_work
+    from glm_training.evaluation import _rank_work
 
     work = [_rank_work(num_prompts, batch_size, r, world_size, True) for r in range(world_size)]
     shapes = {tuple(len(batch) for batch, _ in w) for w in work}

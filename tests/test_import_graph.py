@@ -92,7 +92,7 @@ LAYERS = [
     ("distributed", {"distributed", "preemption"}),
     ("pipeline and rewards", {"pipeline", "rewards"}),
     ("weights", {"export", "frozen_weights"}),
-    ("evaluation, priors and plan", {"evaluate", "priors", "plan"}),
+    ("evaluation, priors and plan", {"evaluate", "evaluation", "text_benchmarks", "priors", "plan"}),
     ("engine", {"engine"}),
     ("algorithms", {"algorithms"}),
     ("tools", {"gpu_check", "cli", ""}),

@@ -10,7 +10,7 @@ from typing import Any
 
 from glm_training.config import ConfigError
 from glm_training.data import load_prompts
-from glm_training.evaluate import check_eval_prompts, load_eval_prompts, text_recogniser, watched_reward_set
+from glm_training.evaluation import check_eval_prompts, load_eval_prompts, text_recogniser, watched_reward_set
 from glm_training.priors import open_for_dit_run
 from glm_training.rewards import RewardSet
 from glm_training.rewards.combine import RewardFuncs, rewards_from_python

@@ -1,13 +1,14 @@
 """`ImageMonitor`: the reward-hacking monitors of a run.
 
-Every step it measures the step's samples (`image_stats.py`: near-black and near-white fractions, colour
-entropy, edge density, saturation, a group's diversity) over every rank, logged as `image/<name>`; every
-evaluation's images are measured as `eval/image/<name>` (`evaluate.py`). Each statistic is also logged as its
-change from step 0 (`<name>_change`): the first step's samples for training (drawn by the untrained policy),
-the step-0 evaluation for evaluation. `eval.hacking_alarm` acts when a statistic's change exceeds its bound
-in `eval.hacking_bounds` while the reward is above its step-0 value: `warn` logs it once per statistic,
-`error` stops the run (`RewardHackingAlarm`) after that step's metrics row is written. The step-0 values are
-saved in every checkpoint, so a resumed run measures change from the same point.
+Every step it measures the step's samples (`image_stats.py`: brightness, near-black and near-white
+fractions, colour entropy, edge density, saturation, a group's diversity) over every rank, logged as
+`image/<name>`; every evaluation's images are measured as `eval/image/<name>` (`evaluation.py`). Each
+statistic is also logged as its change from step 0 (`<name>_change`): the first step's samples for training
+(drawn by the untrained policy), the step-0 evaluation for evaluation. `eval.hacking_alarm` acts when a
+statistic's change exceeds its bound in `eval.hacking_bounds` while the reward is above its step-0 value:
+`warn` logs it once per statistic, `error` stops the run (`RewardHackingAlarm`) after that step's metrics row
+is written. The step-0 values are saved in every checkpoint, so a resumed run measures change from the same
+point.
 """
 
 from __future__ import annotations

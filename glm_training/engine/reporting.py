@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from glm_training.evaluate import (
+from glm_training.evaluation import (
     eval_sampling,
     eval_scalars,
     evaluate_prompts,

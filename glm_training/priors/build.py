@@ -101,7 +101,7 @@ def build_cache(
     """Sample the cache of `cfg` (a DiT training config) into `output`; see the module docstring."""
     from glm_training.data import load_prompts
     from glm_training.distributed import collectives as dist
-    from glm_training.evaluate import load_eval_prompts
+    from glm_training.evaluation import load_eval_prompts
     from glm_training.frozen_weights import component_fingerprint
 
     if getattr(cfg, "component", "dit") != "dit":

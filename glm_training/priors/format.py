@@ -85,7 +85,7 @@ class Shard:
 
 def cache_settings(cfg: Any, *, num_priors: int, seed: int, fingerprint: str, weights: dict) -> dict:
     """What the cache's tokens depend on, as recorded in `plan.json` and `manifest.json`."""
-    from glm_training.evaluate import eval_sampling
+    from glm_training.evaluation import eval_sampling
 
     ev = eval_sampling(cfg)
     return {

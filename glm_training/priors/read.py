@@ -162,7 +162,7 @@ def open_for_dit_run(cfg: Any, prompts: Sequence[Any], eval_prompts: Sequence[An
     """The run's checked cache (`data.prior_cache`), or None; every refusal comes before a model loads."""
     if not cfg.data.prior_cache:
         return None
-    from glm_training.evaluate import eval_sampling
+    from glm_training.evaluation import eval_sampling
     from glm_training.frozen_weights import component_fingerprint
 
     cache = PriorCache(cfg.data.prior_cache)
