@@ -53,6 +53,10 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     before, after = evals[0]["reward_mean"], evals[60]["reward_mean"]
     assert after - before > 0.1, {s: e["reward_mean"] for s, e in evals.items()}  # measured: +0.38
     assert rows[19]["eval/reward_mean"] == pytest.approx(evals[20]["reward_mean"])
+    # The reward-hacking monitors (on by default): each step's image statistics and their change from step 1,
+    # and the evaluations' with theirs from the step-0 evaluation.
+    assert {"image/dark_fraction", "image/diversity_change", "eval/image/edge_density_change"} <= set(rows[19])
+    assert rows[0]["image/saturation_change"] == 0.0 and "image_stats" in evals[60]
 
     # TensorBoard (on by default) holds the scalars of metrics.jsonl and the image grids.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -62,7 +66,7 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
     assert [s for s, _ in logged] == [r["step"] for r in rows]
     np.testing.assert_allclose([v for _, v in logged], rewards, rtol=1e-6)
-    assert {"train/samples", "eval/samples"} <= set(events.Tags()["images"])
+    assert {"train/samples", "train/best_worst", "eval/samples"} <= set(events.Tags()["images"])
     assert [e.step for e in events.Images("eval/samples")] == [0, 20, 40, 60]
 
 
