@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import DIT_SMALL, REPO
+from conftest import DIT_SMALL, REPO, assert_resumed_run_matches
 from safetensors.torch import load_file
 from test_dgpo import reference_step
 
@@ -134,21 +134,17 @@ def test_dgpo_with_its_kl_and_ema_reference_sampling_resumes_bit_exact(tmp_path)
     assert run("dit", "dgpo_training", [*args, "trainer.num_steps=2", f"trainer.output_dir={part}"]) == 0
     resumed = [*args, "trainer.num_steps=3", f"trainer.output_dir={part}", "trainer.resume=latest"]
     assert run("dit", "dgpo_training", resumed) == 0
+    rows = assert_resumed_run_matches(full, part, 3)
     final_a, final_b = full / "checkpoints" / "step-000003", part / "checkpoints" / "step-000003"
-    a, b = (load_file(str(p / "trainable.safetensors")) for p in (final_a, final_b))
-    assert a.keys() == b.keys() and len(a) > 0
-    assert all(torch.equal(a[n], b[n]) for n in a)
+    a = load_file(str(final_a / "trainable.safetensors"))
     ref_a, ref_b = (torch.load(p / EMA_REF_FILE, weights_only=True) for p in (final_a, final_b))
     assert ref_a.keys() == a.keys() and all(torch.equal(ref_a[n], ref_b[n]) for n in a)
     assert any(not torch.equal(ref_a[n], a[n]) for n in a)  # an EMA lags the policy
-    rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
-    assert [r["step"] for r in rows_part] == [1, 2, 3]
-    for x, y in zip(rows_full, rows_part):
-        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == y["loss"]
-        # The image statistics' change from step 1 continues from the saved step-1 values (image_monitor.pt).
-        changes = [k for k in x if k.startswith("image/") and k.endswith("_change")]
-        assert changes and all(x[k] == y[k] for k in changes)
-    assert any(rows_part[2][k] != 0 for k in changes)
+    # The image statistics' change from step 1 continues from the saved step-1 values (image_monitor.pt).
+    changes = [k for k in rows[0][0] if k.startswith("image/") and k.endswith("_change")]
+    assert changes and all(x[k] == y[k] for x, y in rows for k in changes)
+    assert any(rows[2][1][k] != 0 for k in changes)
+    rows_full = [x for x, _ in rows]
     # d = min(0.3, 0.001 k) after k earlier optimizer steps; the reference samples once 2 > 1 are done.
     assert [r["ref_decay"] for r in rows_full] == pytest.approx([0.0, 0.001, 0.002])
     assert [r["sampled_by_ema_ref"] for r in rows_full] == [0.0, 0.0, 1.0]
