@@ -17,7 +17,8 @@ class UserError(Exception):
 
 
 def report_user_errors(body: Callable[[], str]) -> int:
-    """Run `body`: a user error prints one line and returns 2; success prints `body`'s message, returns 0."""
+    """Run `body`: a user error prints one line and returns 2; success prints `body`'s message (if any) and
+    returns 0."""
     try:
         message = body()
     except (UserError, FileExistsError) as err:
@@ -30,7 +31,8 @@ def report_user_errors(body: Callable[[], str]) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(message)
+    if message:
+        print(message)
     return 0
 
 

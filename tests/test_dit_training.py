@@ -55,7 +55,8 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     assert rows[19]["eval/reward_mean"] == pytest.approx(evals[20]["reward_mean"])
     # The reward-hacking monitors (on by default): each step's image statistics and their change from step 1,
     # and the evaluations' with theirs from the step-0 evaluation.
-    assert {"image/dark_fraction", "image/diversity_change", "eval/image/edge_density_change"} <= set(rows[19])
+    monitored = {"image/dark_fraction", "image/diversity_change", "eval/image/edge_density_change"}
+    assert monitored <= set(rows[19])
     assert rows[0]["image/saturation_change"] == 0.0 and "image_stats" in evals[60]
 
     # TensorBoard (on by default) holds the scalars of metrics.jsonl and the image grids.

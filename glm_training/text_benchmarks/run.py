@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> str:
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
         (output / "benchmark.json").write_text(json.dumps({**result, "images": everyone}, indent=2), "utf-8")
-        shown = [r for r in everyone[:GRID_IMAGES]]
+        shown = everyone[:GRID_IMAGES]
         grid = [Image.open(Path(r["path"])).convert("RGB") for r in shown]
         make_image_grid(grid, [caption(f"read: {r['recognised'] or '(nothing)'}", None) for r in shown]).save(
             output / "benchmark.png"
@@ -124,6 +124,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> str:
         import torch.distributed
 
         torch.distributed.destroy_process_group()
+    if rank != 0:
+        return ""  # rank 0 reports for every rank
     summary = {k: v for k, v in result.items() if k not in ("per_subset", "images")}
     return f"{json.dumps(summary)}\nbenchmark written to {output / 'benchmark.json'}"
 
