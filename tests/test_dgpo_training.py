@@ -27,20 +27,22 @@ SMALL = [*DIT_SMALL, "algo.trunc_steps=2", "algo.train_timesteps=2"]
 
 @pytest.mark.slow
 def test_default_dgpo_run_learns(tmp_path):
-    """`train_dit.py --config configs/dgpo_training.yaml`'s own call: tiny model, jpeg reward."""
-    assert run("dit", "dgpo_training", [f"trainer.output_dir={tmp_path}"]) == 0
+    """`train_dit.py --config configs/dgpo_training.yaml`'s own call, shortened to 20 steps: tiny model, jpeg
+    reward."""
+    args = [f"trainer.output_dir={tmp_path}", "trainer.num_steps=20"]
+    assert run("dit", "dgpo_training", args) == 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     assert {"loss", "policy_loss", "matching_loss", "clip_frac", "group_weight", "ref_decay"} <= set(rows[0])
     assert "r_mean" not in rows[0] and "weight_mean" not in rows[0]  # the other trainers' statistics
     rewards = np.array([r["reward_mean"] for r in rows])
-    first, last = rewards[:7].mean(), rewards[-7:].mean()
-    # Per-step noise of the mean reward is ~0.02-0.04; measured on one thread, seeds 0-2: +0.25 to +0.44
-    # (training), +0.14 to +0.44 (held out); two threads, seed 0: +0.29 and +0.24.
-    assert last - first > 0.1, rewards.round(3).tolist()
+    first, last = rewards[:5].mean(), rewards[-5:].mean()
+    # Per-step noise of the mean reward is ~0.02-0.04; measured in 20 steps on one thread, seeds 0-2: +0.15 to
+    # +0.35 (training), +0.09 to +0.36 (held out); two threads, seed 0: +0.17 and +0.16.
+    assert last - first > 0.08, rewards.round(3).tolist()
     evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
-    assert sorted(evals) == [0, 10, 20, 30]
-    assert evals[30]["reward_mean"] > evals[0]["reward_mean"] + 0.05, {
+    assert sorted(evals) == [0, 10, 20]
+    assert evals[20]["reward_mean"] > evals[0]["reward_mean"] + 0.04, {
         s: e["reward_mean"] for s, e in evals.items()
     }
 
