@@ -24,6 +24,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Trainer": ("glm_training.engine.trainer", "Trainer"),
     "DiTTrainer": ("glm_training.engine.trainer", "DiTTrainer"),
     "ARTrainer": ("glm_training.engine.trainer", "ARTrainer"),
+    "JointTrainer": ("glm_training.joint.trainer", "JointTrainer"),
     "RewardTrainer": ("glm_training.engine.trainer", "Trainer"),
     # Algorithms: the base class a new one subclasses, and the table it is registered in.
     "Algorithm": ("glm_training.algorithms.base", "Algorithm"),
@@ -32,6 +33,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # Configs: the dataclasses (constructible directly) and the YAML + overrides loader.
     "DiTTrainConfig": ("glm_training.config", "DiTTrainConfig"),
     "ARTrainConfig": ("glm_training.config", "ARTrainConfig"),
+    "JointTrainConfig": ("glm_training.config.joint", "JointTrainConfig"),
     "load_config": ("glm_training.config", "load_config"),
     "config_to_yaml": ("glm_training.config", "config_to_yaml"),
     "ConfigError": ("glm_training.config", "ConfigError"),

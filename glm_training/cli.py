@@ -31,8 +31,8 @@ REAL_MODEL = "zai-org/GLM-Image"  # configs/model/glm_image.yaml; tests train ot
 def run(trainer_cls: type | str, default_config: str, argv: list[str] | None = None) -> int:
     """Parse `argv` (default: `sys.argv[1:]`), then train, print the config or print help; the exit status.
 
-    `trainer_cls`: "dit" or "ar" (the trainer of the config's algorithm, for that half), a trainer class,
-    or its "module:Class" path.
+    `trainer_cls`: "dit" or "ar" (the trainer of the config's algorithm, for that half), "joint" (both
+    halves, `train_joint.py`), a trainer class, or its "module:Class" path.
     """
     from glm_training.config import build_trainer, compose_config, parse_command_line
 
@@ -48,7 +48,7 @@ def run(trainer_cls: type | str, default_config: str, argv: list[str] | None = N
 
             return print_config_text(cfg, command)
         check_not_quick_start(cfg, command)
-        if trainer_cls in ("dit", "ar"):
+        if trainer_cls in ("dit", "ar", "joint"):
             trainer = build_trainer(cfg, trainer_cls)
         else:
             trainer = _trainer_class(trainer_cls)(cfg)
@@ -69,9 +69,11 @@ def recipes_by_algorithm() -> dict[str, list[str]]:
     from omegaconf import OmegaConf
 
     from glm_training.config import ALGORITHMS
+    from glm_training.config.algorithms import JOINT_SCHEMA
     from glm_training.config.loading import RECIPE_DIR
 
     by_schema = {algorithm.schema: name for name, algorithm in ALGORITHMS.items()}
+    by_schema[JOINT_SCHEMA] = "joint"
     recipes: dict[str, list[str]] = {}
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
         for entry in OmegaConf.load(path).get("defaults", []):
@@ -91,16 +93,18 @@ def check_not_quick_start(cfg: Any, command: Any) -> None:
     from omegaconf import OmegaConf
 
     from glm_training.config import ALGORITHMS, CONFIG_DIR, ConfigError, algorithm_of
+    from glm_training.config.algorithms import JOINT_CONFIG
 
-    quick_starts = {algorithm.config for algorithm in ALGORITHMS.values()}
+    quick_starts = {algorithm.config for algorithm in ALGORITHMS.values()} | {JOINT_CONFIG}
     if cfg.model.name != REAL_MODEL or command.config_dir != CONFIG_DIR:
         return
     if command.config_name not in quick_starts:
         return
     path = CONFIG_DIR / f"{command.config_name}.yaml"
     shipped = OmegaConf.load(path)
+    prefix = "dit." if cfg.component == "joint" else ""  # a joint config's DiT half holds its sizes
     height, width, steps, lr = (
-        OmegaConf.select(shipped, key)
+        OmegaConf.select(shipped, prefix + key)
         for key in ("sampling.height", "sampling.width", "sampling.num_steps", "optim.lr")
     )
     sizes = [
@@ -109,7 +113,7 @@ def check_not_quick_start(cfg: Any, command: Any) -> None:
         f"lr {_short(lr)}" if lr else "",
     ]
     held = ", ".join(s for s in sizes if s)
-    algorithm = algorithm_of(cfg).name
+    algorithm = "joint" if cfg.component == "joint" else algorithm_of(cfg).name
     recipes = recipes_by_algorithm().get(algorithm, [])
     start = (
         "start from " + " or ".join(f"--config-name {r}" for r in recipes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import subprocess
@@ -193,3 +194,20 @@ def assert_resumed_run_matches(full: Path, part: Path, step: int) -> list[tuple[
     for x, y in zip(rows_full, rows_part):
         assert x["reward_mean"] == y["reward_mean"] and x["loss"] == y["loss"]
     return list(zip(rows_full, rows_part))
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> Path:
+    """A tiny random CLIP (16-dim projection) and an aesthetic head on it, saved locally (the recipes' AR
+    rewards, scaled down)."""
+    from tiny_reward_models import save_tiny_clip
+
+    path = save_tiny_clip(tmp_path_factory.mktemp("recipe_clip"), projection_dim=16)
+    generator = torch.Generator().manual_seed(0)
+    widths = [16, 32, 8, 8, 4, 1]
+    head = {}
+    for index, (w_in, w_out) in zip((0, 2, 4, 6, 7), zip(widths[:-1], widths[1:])):
+        head[f"layers.{index}.weight"] = torch.randn(w_out, w_in, generator=generator) / math.sqrt(w_in)
+        head[f"layers.{index}.bias"] = torch.randn(w_out, generator=generator)
+    torch.save(head, path / "head.pth")
+    return path

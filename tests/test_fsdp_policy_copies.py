@@ -74,6 +74,25 @@ DGPO = [
     "algo.switch_ema_ref=0",
     "optim.lr=1e-3",
 ]
+# A joint run (train_joint.py): 3 prompts x 2 priors x 2 renderings, so an AR group straddles the ranks;
+# DAPO's filter decides on every rank's groups.
+JOINT = [
+    "--config-name",
+    "joint_training",
+    "trainer.progress_bar=false",
+    "eval.every_n_steps=0",
+    "trainer.save_every=1",
+    "ar.sampling.height=64",
+    "ar.sampling.width=64",
+    "dit.sampling.height=64",
+    "dit.sampling.width=64",
+    "dit.sampling.num_steps=3",
+    "data.num_groups_per_step=3",
+    "data.num_priors=2",
+    "data.renderings_per_prior=2",
+    "ar.algo.dynamic_sampling=true",
+    "ar.algo.max_resample_rounds=0",
+]
 EXTRA_FILES = {"nft": OLD_POLICY_FILE, "awm": ANCHOR_FILE, "dgpo": EMA_REF_FILE}
 
 
@@ -101,6 +120,15 @@ def launch(tmp_path_factory):
         for strategy in ("ddp", "fsdp"):
             out = tmp_path / f"{algo}_{strategy}"
             runs[f"{algo}_{strategy}"] = [*args, f"trainer.strategy={strategy}", f"trainer.output_dir={out}"]
+    runs["joint_ddp"] = [
+        *JOINT,
+        "trainer.strategy=ddp",
+        "trainer.num_steps=2",
+        f"trainer.output_dir={tmp_path / 'joint_ddp'}",
+    ]
+    joint_fsdp = [*JOINT, "trainer.strategy=fsdp", f"trainer.output_dir={tmp_path / 'joint_fsdp'}"]
+    runs["joint_fsdp"] = [*joint_fsdp, "trainer.num_steps=1"]
+    runs["joint_fsdp_resumed"] = [*joint_fsdp, "trainer.num_steps=2", "trainer.resume=latest"]
     runs["nft_resumed"] = [
         *NFT,
         "trainer.strategy=fsdp",
@@ -167,3 +195,23 @@ def test_nft_awm_and_dgpo_policy_copies_under_fsdp_equal_ddp(launch):
     )
     assert all(torch.equal(w_full[n], w_resumed[n]) for n in w_full)
     assert all(torch.equal(old_full[n], old_resumed[n]) for n in old_full)
+
+
+def test_a_joint_run_under_fsdp_equals_ddp_and_resumes(launch):
+    """Both halves sharded (each its own FSDP2 units) train as under DDP, within the other trainers' bound;
+    the FSDP run stops after step 1 and resumes from its sharded checkpoints of both halves to step 2."""
+    tmp_path, reports = launch
+    assert all(rep["joint_fsdp"]["sharded"] == [True, True] for rep in reports)
+    assert all(rep["joint_ddp"]["sharded"] == [False, False] for rep in reports)
+    for half in ("ar", "dit"):
+        ddp, fsdp = (
+            load_file(str(tmp_path / run / half / "checkpoints" / "step-000002" / "trainable.safetensors"))
+            for run in ("joint_ddp", "joint_fsdp")
+        )
+        assert ddp.keys() == fsdp.keys() and len(ddp) > 0
+        for name in ddp:
+            torch.testing.assert_close(fsdp[name], ddp[name], atol=1e-5, rtol=0)
+        step1 = load_file(
+            str(tmp_path / "joint_ddp" / half / "checkpoints" / "step-000001" / "trainable.safetensors")
+        )
+        assert any(not torch.equal(step1[n], ddp[n]) for n in ddp), half  # step 2 trained this half

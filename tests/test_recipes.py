@@ -21,11 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from conftest import REPO
 from omegaconf import OmegaConf
-from tiny_reward_models import save_tiny_clip
 
 from glm_training.cli import REAL_MODEL, check_not_quick_start, recipes_by_algorithm, run
 from glm_training.config import (
@@ -39,10 +37,15 @@ from glm_training.config import (
     load_config,
     parse_command_line,
 )
+from glm_training.config.algorithms import JOINT_CONFIG, JOINT_SCHEMA
 from glm_training.config.loading import RECIPE_DIR
 from glm_training.metrics import read_metrics
 
 RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+# The recipes of one half (train_dit.py, train_ar.py); test_joint_training.py trains the joint one.
+HALF_RECIPES = [
+    n for n in RECIPES if OmegaConf.load(RECIPE_DIR / f"{n}.yaml").defaults[0] != f"/{JOINT_SCHEMA}"
+]
 DOC = REPO / "docs" / "recipes.md"
 # A table row of docs/recipes.md: | `key` | `value` | source |
 ROW = re.compile(r"^\|\s*`([\w.]+)`\s*\|\s*`([^`]*)`\s*\|")
@@ -127,15 +130,22 @@ def test_each_recipe_composes_to_the_values_its_doc_table_states(name):
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_recipe_names_its_schema_and_the_real_model_not_a_quick_start(name):
     defaults = OmegaConf.to_container(OmegaConf.load(RECIPE_DIR / f"{name}.yaml").defaults)
-    schemas = {f"/{algorithm.schema}" for algorithm in ALGORITHMS.values()}
+    schemas = {f"/{algorithm.schema}" for algorithm in ALGORITHMS.values()} | {f"/{JOINT_SCHEMA}"}
     assert defaults[0] in schemas and defaults[1:] == [{"/model": "glm_image"}, "_self_"], defaults
     assert (RECIPE_DIR / f"{name}.yaml").read_text().startswith("# @package _global_\n")
-    cfg = load_config(config=f"recipes/{name}")
-    assert cfg.model.name == REAL_MODEL and cfg.model.lora.enabled and cfg.trainer.mixed_precision == "bf16"
-    assert (cfg.sampling.height, cfg.sampling.width) == (1024, 1024)
-    # Nothing of the tiny quick-start's sizes or learning rate reaches the recipe.
-    quick = load_config(config=algorithm_of(cfg).config)
-    assert cfg.optim.lr != quick.optim.lr and cfg.data.num_generations > quick.data.num_generations
+    recipe = load_config(config=f"recipes/{name}")
+    joint = recipe.component == "joint"
+    quick_start = load_config(config=JOINT_CONFIG) if joint else None
+    # A joint recipe: each half's run config holds that half's settings (`JointTrainConfig.half`).
+    for half in ("ar", "dit") if joint else (None,):
+        cfg = recipe.half(half) if joint else recipe
+        assert (
+            cfg.model.name == REAL_MODEL and cfg.model.lora.enabled and cfg.trainer.mixed_precision == "bf16"
+        )
+        assert (cfg.sampling.height, cfg.sampling.width) == (1024, 1024)
+        # Nothing of the tiny quick-start's sizes or learning rate reaches the recipe.
+        quick = quick_start.half(half) if joint else load_config(config=algorithm_of(cfg).config)
+        assert cfg.optim.lr != quick.optim.lr and cfg.data.num_generations > quick.data.num_generations
 
 
 def test_every_spelling_composes_the_same_recipe():
@@ -211,20 +221,6 @@ def test_the_guard_spares_other_models_recipes_own_files_and_printing(tmp_path, 
 # One step of each recipe, scaled down to the tiny model
 
 
-@pytest.fixture(scope="module")
-def tiny_clip(tmp_path_factory) -> Path:
-    """A tiny random CLIP (16-dim projection) and an aesthetic head on it, saved locally."""
-    path = save_tiny_clip(tmp_path_factory.mktemp("recipe_clip"), projection_dim=16)
-    generator = torch.Generator().manual_seed(0)
-    widths = [16, 32, 8, 8, 4, 1]
-    head = {}
-    for index, (w_in, w_out) in zip((0, 2, 4, 6, 7), zip(widths[:-1], widths[1:])):
-        head[f"layers.{index}.weight"] = torch.randn(w_out, w_in, generator=generator) / math.sqrt(w_in)
-        head[f"layers.{index}.bias"] = torch.randn(w_out, generator=generator)
-    torch.save(head, path / "head.pth")
-    return path
-
-
 def _tiny_rewards(names: list[str], clip: Path) -> list[str]:
     """Rewards on tiny local weights. OCR scores the tiny model's random images 0 (no text, no group spread,
     nothing trains), so its one step uses the weight-free JPEG reward instead."""
@@ -271,7 +267,7 @@ def _scaled_down(name: str, clip: Path, output_dir: Path) -> Any:
     )
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", HALF_RECIPES)
 def test_each_recipe_trains_one_step_scaled_down_and_its_clip_acts(name, tiny_clip, tmp_path):
     cfg = _scaled_down(name, tiny_clip, tmp_path)
     trainer = build_trainer(cfg, cfg.component)

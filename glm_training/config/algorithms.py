@@ -34,6 +34,10 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {}
 DEFAULT_ALGORITHM = {"dit": "flow_grpo", "ar": "grpo"}
 # The engine's trainer (`engine/trainer.py`), imported when training starts.
 TRAINER = "glm_training.engine.trainer:Trainer"
+# The schema of `train_joint.py`'s configs (`config/joint.py`: both halves, each with one of the algorithms).
+JOINT_SCHEMA = "joint_schema"
+JOINT_CONFIG = "joint_training"  # its tiny quick-start in configs/
+JOINT_TRAINER = "glm_training.joint.trainer:JointTrainer"
 
 
 def register_algorithm(algorithm: AlgorithmSpec) -> AlgorithmSpec:
@@ -78,25 +82,29 @@ def _get(node: Any, key: str, default: Any) -> Any:
 
 
 def build_trainer(cfg: Any, component: str) -> Any:
-    """The trainer of `cfg`, for the entry point that trains `component` (`train_dit.py`: dit); the engine
-    builds the algorithm `algo.name` names."""
+    """The trainer of `cfg`, for the entry point that trains `component` (`train_dit.py`: dit,
+    `train_joint.py`: joint); the engine builds the algorithm `algo.name` names."""
     if cfg.component != component:
-        script = {"dit": "train_dit.py", "ar": "train_ar.py"}
+        script = {"dit": "train_dit.py", "ar": "train_ar.py", "joint": "train_joint.py"}
+        what = "both halves" if cfg.component == "joint" else f"the {cfg.component} half"
         raise ConfigError(
             "component",
-            f"this config trains the {cfg.component} half; run it with {script[cfg.component]}, or give "
+            f"this config trains {what}; run it with {script[cfg.component]}, or give "
             f"{script[component]} a {component} config.",
         )
-    return import_named(TRAINER)(cfg)
+    return import_named(JOINT_TRAINER if component == "joint" else TRAINER)(cfg)
 
 
 def register_configs() -> None:
     """Register every algorithm's run config in Hydra's ConfigStore; YAML files name them in defaults."""
     from hydra.core.config_store import ConfigStore
 
+    from glm_training.config.joint import JointTrainConfig
+
     cs = ConfigStore.instance()
     for algorithm in ALGORITHMS.values():
         cs.store(name=algorithm.schema, node=algorithm.run_config)
+    cs.store(name=JOINT_SCHEMA, node=JointTrainConfig)  # train_joint.py: both halves, one rollout
     cs.store(group="model", name="model_schema", node=ModelConfig)
 
 

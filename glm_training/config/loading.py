@@ -194,7 +194,7 @@ def compose_config(command: CommandLine) -> Any:
             raise ConfigError(
                 key, f"is required; set it in the YAML or on the command line ({key}=...){hint}."
             )
-        return OmegaConf.to_object(cfg)
+        return _to_object(cfg)
     except ConfigError:
         raise
     except (ConfigKeyError, ConfigAttributeError) as err:
@@ -240,7 +240,28 @@ def _with_schema(cfg: Any, command: CommandLine) -> Any:
             "`defaults: [dit_schema, {model: tiny}, _self_]` (ar_schema for the AR trainer) or set "
             "`component: dit` / `component: ar`.",
         )
-    return OmegaConf.merge(OmegaConf.structured(algorithm_of(cfg).run_config), cfg)
+    return OmegaConf.merge(OmegaConf.structured(_schema_of(cfg)), cfg)
+
+
+def _to_object(cfg: Any) -> Any:
+    """The typed config; a joint config's errors name its keys as it spells them (`ar.algo.beta`)."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except ConfigError as err:
+        if cfg.get("component") != "joint":
+            raise
+        from glm_training.config.joint import joint_key_error
+
+        raise joint_key_error(cfg, err) from None
+
+
+def _schema_of(cfg: Any) -> type:
+    """The run config dataclass of a config typed by its `component` (and `algo.name`) keys."""
+    if cfg.get("component") == "joint":
+        from glm_training.config.joint import JointTrainConfig
+
+        return JointTrainConfig
+    return algorithm_of(cfg).run_config
 
 
 def load_config(
@@ -315,8 +336,10 @@ def _unknown_key_error(err: OmegaConfBaseException) -> ConfigError:
 
 def _valid_keys(parent: str) -> list[str]:
     """Field names at a dotted path of any run config (union over the algorithms' run configs)."""
+    from glm_training.config.joint import JointTrainConfig
+
     names: set[str] = set()
-    for schema in {a.run_config for a in ALGORITHMS.values()}:
+    for schema in {a.run_config for a in ALGORITHMS.values()} | {JointTrainConfig}:
         node: Any = schema
         for part in [p for p in parent.split(".") if p]:
             match = [f for f in fields(node) if f.name == part] if is_dataclass(node) else []

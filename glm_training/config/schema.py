@@ -310,7 +310,11 @@ class LoggingConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = option(3e-4, "AdamW learning rate")
+    lr: float = option(
+        3e-4,
+        "AdamW learning rate (0 keeps the weights: the update runs and changes nothing, e.g. to hold one "
+        "half of a joint run fixed)",
+    )
     weight_decay: float = option(1e-4, "AdamW weight decay")
     betas: list[float] = option(factory=lambda: [0.9, 0.999], help="AdamW betas")
     eps: float = option(1e-8, "AdamW epsilon")
@@ -318,7 +322,7 @@ class OptimConfig:
     warmup_steps: int = option(0, "linear learning-rate warm-up over this many optimizer steps (0 = none)")
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}.")
+        _check(self.lr >= 0, "optim.lr", f"must be >= 0, got {self.lr}.")
         _check(len(self.betas) == 2, "optim.betas", "give two numbers, e.g. [0.9, 0.999].")
         _check(self.max_grad_norm > 0, "optim.max_grad_norm", "must be > 0.")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0.")

@@ -31,14 +31,15 @@ from glm_training.distributed import collectives as dist
 logger = logging.getLogger("glm_training")
 
 
-def resolve_output_dir(cfg: Any, is_main: bool) -> Path:
+def resolve_output_dir(cfg: Any, is_main: bool, halves: tuple[str, ...] = ("",)) -> Path:
     """The run's folder (chosen once by rank 0 when `trainer.output_dir` is empty); refused when it already
-    holds another run's checkpoints and `trainer.resume` is not set."""
+    holds another run's checkpoints (in the sub-folders `halves`, a joint run's) and `trainer.resume` is not
+    set."""
     name = cfg.trainer.output_dir
     if not name:
         name = dist.broadcast_object(f"outputs/{cfg.run_name}-{datetime.now():%Y%m%d-%H%M%S}")
     path = Path(name).expanduser()
-    if cfg.trainer.resume is None and list_checkpoints(path):
+    if cfg.trainer.resume is None and any(list_checkpoints(path / half) for half in halves):
         raise FileExistsError(
             f"'{path}' already holds checkpoints of another run; continue it with trainer.resume=latest, "
             "or choose a new trainer.output_dir (checkpoints are never overwritten)."

@@ -14,6 +14,7 @@ from glm_training.evaluation import check_eval_prompts, load_eval_prompts, text_
 from glm_training.priors import open_for_dit_run
 from glm_training.rewards import RewardSet
 from glm_training.rewards.combine import RewardFuncs, rewards_from_python
+from glm_training.rewards.retry import FailurePolicy
 
 logger = logging.getLogger("glm_training")
 
@@ -43,6 +44,21 @@ class RunInputs:
                 self.text_recogniser = text_recogniser([self.rewards, self.watched_rewards])
         elif cfg.eval.watch_rewards or cfg.eval.text_metrics:
             logger.warning("eval.watch_rewards and eval.text_metrics are ignored: eval.every_n_steps=0")
+
+    def reward_sets(self) -> list[RewardSet]:
+        """The reward sets scored during training (the loop's failure handling covers each)."""
+        return [self.rewards]
+
+    def set_failure_policy(self) -> None:
+        """Retries and failure handling from `reward.*`, for the training rewards and the watched ones."""
+        r = self.cfg.reward
+        self.rewards.policy = FailurePolicy(r.max_retries, r.retry_backoff_s, r.on_failure, r.on_nonfinite)
+        if self.watched_rewards is not None:
+            self.watched_rewards.policy = self.rewards.policy  # retried as the training rewards are
+
+    def stops_on_failure(self) -> bool:
+        """Whether a reward that failed on any rank stops the run (`reward.on_failure=error`)."""
+        return self.cfg.reward.on_failure == "error"
 
     def close(self) -> None:
         self.rewards.close()

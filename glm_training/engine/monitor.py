@@ -28,8 +28,6 @@ from glm_training.image_stats import STATISTICS, group_runs, statistic_sums
 logger = logging.getLogger("glm_training")
 
 STATE_FILE = "image_monitor.pt"
-# (baseline kind, scalar prefix, the reward that must have risen)
-WATCHED = (("train", "image/", "reward_mean"), ("eval", "eval/image/", "eval/reward_mean"))
 
 
 class RewardHackingAlarm(UserError):
@@ -37,8 +35,14 @@ class RewardHackingAlarm(UserError):
 
 
 class ImageMonitor:
-    def __init__(self, cfg: Any):
+    """`reward_key`: the step statistic of the reward the alarm watches (`eval/<reward_key>` when
+    evaluating)."""
+
+    def __init__(self, cfg: Any, reward_key: str = "reward_mean"):
         e = cfg.eval
+        self.reward_key = reward_key
+        # (baseline kind, scalar prefix, the reward that must have risen)
+        self.watched = (("train", "image/", reward_key), ("eval", "eval/image/", f"eval/{reward_key}"))
         self.enabled = e.image_stats
         self.mode = e.hacking_alarm
         self.bounds = dict(e.hacking_bounds)
@@ -70,7 +74,7 @@ class ImageMonitor:
         values = {k[len(prefix) :]: v for k, v in scalars.items() if k.startswith(prefix)}
         if not values:
             return {}
-        changes = self.with_changes("eval", prefix, values, scalars["eval/reward_mean"])
+        changes = self.with_changes("eval", prefix, values, scalars[f"eval/{self.reward_key}"])
         return {k: v for k, v in changes.items() if k.endswith("_change")}
 
     def with_changes(
@@ -88,7 +92,7 @@ class ImageMonitor:
         """The alarm on a step's record (every rank holds the same values: it acts on all alike)."""
         if self.mode == "off":
             return
-        for kind, prefix, reward_key in WATCHED:
+        for kind, prefix, reward_key in self.watched:
             base = self.baselines.get(kind)
             if base is None or reward_key not in record or not record[reward_key] > base["reward"]:
                 continue

@@ -42,7 +42,8 @@ class Policy:
 
     `skip`: frozen components this run never uses, so never loads, and why (`("vision_language_encoder",)`
     when a prior cache gives the DiT its tokens). `pipeline`: an already-built pipeline to train instead of
-    loading `model.name` (nothing is loaded or moved).
+    loading `model.name` (nothing is loaded or moved), or the `wrapper` of another `Policy` that trains the
+    other half of the same pipeline.
     """
 
     def __init__(
@@ -63,6 +64,8 @@ class Policy:
         self.placement = None
         if pipeline is None:
             self.wrapper = self._load(placement_context, skip)
+        elif isinstance(pipeline, GLMImageWrapper):  # the other half trains too (train_joint.py)
+            self.wrapper = GLMImageWrapper.other_half(pipeline, component)
         else:
             self.wrapper = GLMImageWrapper.from_pipeline(pipeline, component)
         if self.wrapper.trained_folder is not None:  # on the meta device until it is sharded

@@ -3,6 +3,7 @@ sample grids. `metrics.jsonl` is written by the loop (`MetricsWriter`), one row 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -26,10 +27,20 @@ class Evaluation:
     """Evaluates the policy (its EMA weights when EMA is on) on the held-out prompts at step 0, every
     `eval.every_n_steps` and at the end; nothing without `eval.every_n_steps`."""
 
-    def __init__(self, cfg: Any, inputs: Any, policy: Any, tracker: Any, output_dir: Path, priors: Any):
+    def __init__(
+        self,
+        cfg: Any,
+        inputs: Any,
+        policy: Any,
+        tracker: Any,
+        output_dir: Path,
+        priors: Any,
+        others: tuple[Any, ...] = (),
+    ):
         self.cfg = cfg
         self.inputs = inputs
         self.policy = policy
+        self.others = others  # policies of the pipeline's other half, when it trains too (EMA, gathering)
         self.tracker = tracker
         self.output_dir = output_dir
         self.prior_tokens = None if priors is None else priors.eval_tokens
@@ -41,6 +52,7 @@ class Evaluation:
         policy, inputs = self.policy, self.inputs
         # The pipeline's AR stage reseeds the global RNG; training's random streams must not notice.
         with (
+            contextlib.ExitStack() as others,
             policy.eval_weights(),
             policy.parallel.sampling(policy.trainable),
             # Float32 masters in a bf16 pipeline compute under the policy's autocast, as in training.
@@ -49,6 +61,9 @@ class Evaluation:
             else policy.parallel.evaluation_precision(policy.precision),
             torch.random.fork_rng(devices=self._rng_devices()),
         ):
+            for other in self.others:
+                others.enter_context(other.eval_weights())
+                others.enter_context(other.parallel.sampling(other.trainable))
             result, images = evaluate_prompts(
                 policy.wrapper.pipeline,
                 inputs.eval_prompts,
@@ -59,7 +74,7 @@ class Evaluation:
                 world_size=world_size,
                 num_grid_images=self.cfg.eval.num_grid_images,
                 prior_tokens=self.prior_tokens,
-                equal_calls=policy.parallel.equal_calls,
+                equal_calls=any(p.parallel.equal_calls for p in (policy, *self.others)),
                 watched=inputs.watched_rewards,
                 recogniser=inputs.text_recogniser,
                 image_stats=self.cfg.eval.image_stats,
@@ -90,8 +105,17 @@ class Progress:
     `logging.images_every_n_steps` steps a grid of the step's samples and one of its highest-reward samples
     beside its lowest (`train/best_worst`, this rank's)."""
 
-    def __init__(self, cfg: Any, tracker: Any, is_main: bool, start_step: int, component: str):
+    def __init__(
+        self,
+        cfg: Any,
+        tracker: Any,
+        is_main: bool,
+        start_step: int,
+        component: str,
+        reward_keys: tuple[str, ...] = ("reward_mean",),
+    ):
         self.cfg = cfg
+        self.reward_keys = reward_keys  # the rewards the bar and the log line show
         self.tracker = tracker
         self.is_main = is_main
         self.bar = None
@@ -105,18 +129,18 @@ class Progress:
     def log(self, record: dict[str, Any], preview: tuple[list, list[str], list[float]] | None) -> None:
         step = record["step"]
         if self.bar is not None:
+            rewards = {k.removesuffix("_mean"): f"{record[k]:.4g}" for k in self.reward_keys}
             self.bar.set_postfix(
-                reward=f"{record['reward_mean']:.4g}",
-                loss=f"{record.get('loss', math.nan):.3g}",
-                step_s=f"{record['step_time_s']:.2f}",
+                **rewards, loss=f"{record.get('loss', math.nan):.3g}", step_s=f"{record['step_time_s']:.2f}"
             )
             self.bar.update(1)
         elif self.is_main:
+            rewards = " ".join(f"{k.removesuffix('_mean')} {record[k]:.4g}" for k in self.reward_keys)
             logger.info(
-                "step %d/%d reward %.4g (%.2f s/step)",
+                "step %d/%d %s (%.2f s/step)",
                 step,
                 self.cfg.trainer.num_steps,
-                record["reward_mean"],
+                rewards,
                 record["step_time_s"],
             )
         self.tracker.log_scalars(step, record)

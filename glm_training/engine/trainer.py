@@ -10,6 +10,7 @@ The algorithm is any object with `collect(step) -> Batch`, `update(batch, step) 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -38,7 +39,7 @@ from glm_training.metrics import MetricsWriter
 from glm_training.plan import log_memory_plan
 from glm_training.preemption import StopSignals
 from glm_training.rewards.combine import RewardFuncs
-from glm_training.rewards.retry import FailurePolicy, RewardFailed
+from glm_training.rewards.retry import RewardFailed
 from glm_training.tracking import build_tracker
 
 logger = logging.getLogger("glm_training")
@@ -54,6 +55,7 @@ class Trainer:
     """
 
     component: str = ""  # set by `DiTTrainer` / `ARTrainer`: the half their configs must train
+    reward_keys: tuple[str, ...] = ("reward_mean",)  # the step statistics the progress bar shows
 
     def __init__(
         self,
@@ -77,10 +79,8 @@ class Trainer:
         self.rewards = self.inputs.rewards
         cfg.data.per_rank_samples(dist.rank_info().world_size)  # refuses a split the ranks cannot share
         self._start_engine()
-        self.output_dir = resolve_output_dir(cfg, self.is_main)
-        self.metrics = MetricsWriter(self.output_dir, self.is_main)
-        if self.is_main:
-            (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+        self.parallel = make_parallelism(cfg.trainer, self.accelerator, cfg.component)
+        self._open_outputs()
         self.memory_plan = log_memory_plan(cfg, self.accelerator)  # on GPUs: stops here if it cannot fit
         self.priors, skip = (
             open_priors(cfg, cfg.component, self.inputs) if priors is None else (priors, ((), ""))
@@ -88,6 +88,7 @@ class Trainer:
         self.policy = Policy(
             cfg, cfg.component, self.accelerator, self.parallel, self.placement_context, skip, pipeline
         )
+        self.policies = {"": self.policy}  # by the prefix of their statistics (`lr`)
         self.updates = UpdateLoop(self.policy, cfg.algo.num_inner_epochs, cfg.algo.num_mini_batches)
         self.collector = Collector(cfg, self.inputs.prompts, self.rewards, self.rank, self.world_size)
         algorithm_cls = algorithm or algorithm_of(cfg).algorithm_class()
@@ -96,10 +97,26 @@ class Trainer:
         self.checkpoints = Checkpointer(
             cfg, self.output_dir, self.policy, [self.algorithm, self.monitor], self.rank, self.is_main
         )
+        self._resume_and_track()
+        self.evaluation = Evaluation(
+            cfg, self.inputs, self.policy, self.tracker, self.output_dir, self.priors
+        )
+
+    def _open_outputs(self, halves: tuple[str, ...] = ("",)) -> None:
+        """The run's folder (`halves`: its sub-folders that hold checkpoints), metrics.jsonl, config.yaml."""
+        self.output_dir = resolve_output_dir(self.cfg, self.is_main, halves)
+        self.metrics = MetricsWriter(self.output_dir, self.is_main)
+        if self.is_main:
+            (self.output_dir / "config.yaml").write_text(config_to_yaml(self.cfg), encoding="utf-8")
+
+    def _resume_and_track(self) -> None:
+        """Resume from `trainer.resume` (the metrics rows after it are dropped), then start the tracker."""
+        cfg = self.cfg
         self.start_step = self.checkpoints.resume()
         if self.start_step:
             self.metrics.truncate_after(self.start_step)  # rows of steps the run will write again
-        self.policy.wrapper.pipeline.set_progress_bar_config(disable=True)
+        for policy in self.policies.values():
+            policy.wrapper.pipeline.set_progress_bar_config(disable=True)
         self.tracker = build_tracker(
             is_main=self.is_main,
             output_dir=self.output_dir,
@@ -112,12 +129,9 @@ class Trainer:
             wandb_mode=cfg.logging.wandb_mode,
             start_step=self.start_step,
         )
-        self.evaluation = Evaluation(
-            cfg, self.inputs, self.policy, self.tracker, self.output_dir, self.priors
-        )
 
     def _start_engine(self) -> None:
-        """The distributed engine (accelerate), this process's rank and the parallelism strategy."""
+        """The distributed engine (accelerate) and this process's rank."""
         cfg = self.cfg
         self.placement_context = dist.detect_distributed(strategy=cfg.trainer.strategy)
         self.accelerator = dist.make_accelerator(
@@ -129,7 +143,6 @@ class Trainer:
         )
         self.rank = self.accelerator.process_index
         self.world_size = self.accelerator.num_processes
-        self.parallel = make_parallelism(cfg.trainer, self.accelerator, cfg.component)
         self.is_main = self.accelerator.is_main_process
         log_environment(cfg, self.accelerator.device)  # bf16 on a CPU without it; packages off the lock
 
@@ -145,15 +158,15 @@ class Trainer:
         stalled is re-raised as `distributed.collectives.CollectiveFailure`, naming this rank, the step and
         the phase.
         """
-        cfg, r = self.cfg.trainer, self.cfg.reward
-        self.rewards.policy = FailurePolicy(r.max_retries, r.retry_backoff_s, r.on_failure, r.on_nonfinite)
-        if self.inputs.watched_rewards is not None:
-            self.inputs.watched_rewards.policy = self.rewards.policy  # retried as the training rewards are
+        cfg = self.cfg.trainer
+        self.inputs.set_failure_policy()
         dist.set_collective_timeout(cfg.dist_timeout_s)
         signals = StopSignals()
         signals.install()
         skips = SkipCounter(cfg.max_consecutive_skips)
-        progress = Progress(self.cfg, self.tracker, self.is_main, self.start_step, self.cfg.component)
+        progress = Progress(
+            self.cfg, self.tracker, self.is_main, self.start_step, self.cfg.component, self.reward_keys
+        )
         failed = True
         try:
             if self.start_step == 0:
@@ -184,24 +197,29 @@ class Trainer:
         start = time.perf_counter()
         dist.set_phase("rollout", step + 1)
         # A reward's error is held (NaN scores) until every rank has collected: then all act on it together.
-        with self.rewards.collecting():
+        with contextlib.ExitStack() as collecting:
+            for rewards in self.inputs.reward_sets():
+                collecting.enter_context(rewards.collecting())
             batch = self.collect(step)
         reward_failed = self._reward_failed(step)
-        self.policy.num_skipped_nonfinite = 0
+        for policy in self.policies.values():
+            policy.num_skipped_nonfinite = 0
         dist.set_phase("update", step + 1)
         if reward_failed:
             logger.warning("%s; no update (reward.on_failure=skip)", self._failure_message(step))
             update_stats: dict[str, float] = {}
         else:
             update_stats = self.update(batch, step)
-        skipped = self.policy.num_skipped_nonfinite
-        nonfinite = skipped > 0 or not math.isfinite(update_stats.get("loss", 0.0))
+        skipped = sum(policy.num_skipped_nonfinite for policy in self.policies.values())
+        losses = [v for k, v in update_stats.items() if k == "loss" or k.endswith("_loss")]
+        nonfinite = skipped > 0 or not all(math.isfinite(v) for v in losses)
         skips.record(reward_failed or nonfinite, "reward failure" if reward_failed else "non-finite loss")
         record = {"step": step + 1, **batch.stats, **update_stats}
-        record.update(self.monitor.step_scalars(batch, batch.stats.get("reward_mean", math.nan)))
+        record.update(self.monitor.step_scalars(batch, batch.stats.get(self.monitor.reward_key, math.nan)))
         record["skipped_nonfinite"] = skipped
         record["skipped_reward_failure"] = int(reward_failed)
-        record["lr"] = self.policy.lr_scheduler.get_last_lr()[0]
+        for prefix, policy in self.policies.items():
+            record[f"{prefix}lr"] = policy.lr_scheduler.get_last_lr()[0]
         record["step_time_s"] = time.perf_counter() - start
         dist.set_phase("evaluation", step + 1)
         record.update(self.evaluate(step + 1))
@@ -242,20 +260,23 @@ class Trainer:
     def _reward_failed(self, step: int) -> bool:
         """Whether any rank's reward failed this step (one all-reduce); an error or on_failure=error stops."""
         dist.set_phase("reward gather", step + 1)
-        seen = torch.tensor([float(bool(self.rewards.failures)), float(bool(self.rewards.errors))])
+        failures = [f for rewards in self.inputs.reward_sets() for f in rewards.failures]
+        errors = [e for rewards in self.inputs.reward_sets() for e in rewards.errors]
+        seen = torch.tensor([float(bool(failures)), float(bool(errors))])
         reward_failed, reward_error = (bool(x) for x in dist.all_reduce(seen, op="max"))
         if reward_error:
-            if self.rewards.errors:
-                raise self.rewards.errors[0]
+            if errors:
+                raise errors[0]
             raise RewardFailed(
                 f"step {step + 1}: a reward failed on another rank (its log says how); stopping"
             )
-        if reward_failed and self.cfg.reward.on_failure == "error":
+        if reward_failed and self.inputs.stops_on_failure():
             raise RewardFailed(self._failure_message(step))
         return reward_failed
 
     def _failure_message(self, step: int) -> str:
-        here = "; ".join(self.rewards.failures) or "a reward failed on another rank"
+        failures = [f for rewards in self.inputs.reward_sets() for f in rewards.failures]
+        here = "; ".join(failures) or "a reward failed on another rank"
         return f"step {step + 1}: {here}"
 
     def _maybe_save(self, step: int, skips: SkipCounter, stop: bool) -> None:

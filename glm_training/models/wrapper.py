@@ -134,6 +134,16 @@ class GLMImageWrapper:
         wrapper._freeze_all_but_the_trained_half()
         return wrapper
 
+    @classmethod
+    def other_half(cls, wrapper: GLMImageWrapper, component: str) -> GLMImageWrapper:
+        """A wrapper that trains `component` of the pipeline `wrapper` already trains the other half of
+        (`train_joint.py`): nothing is loaded, moved or frozen; that half's `Policy` then sets up its own."""
+        other = cls.__new__(cls)
+        other.component, other.model_name, other.skipped = component, wrapper.model_name, wrapper.skipped
+        other.trained_folder = None
+        other.pipeline = wrapper.pipeline
+        return other
+
     def _freeze_all_but_the_trained_half(self) -> None:
         for name, module in self.components().items():
             module.requires_grad_(name == self.trainable_name)

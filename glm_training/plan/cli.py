@@ -14,6 +14,7 @@ import sys
 
 from glm_training.plan.components import meta_components
 from glm_training.plan.device import build_plan
+from glm_training.plan.joint import joint_plan
 from glm_training.plan.loading import loading_host_plan
 
 
@@ -38,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         int(args.gpu_memory_gb * 1e9 * cfg.model.max_memory_fraction) if args.gpu_memory_gb else None
     )
     modules = meta_components(cfg.model)
-    plan = build_plan(
-        cfg, world_size=args.world_size, strategy=args.strategy, device_bytes=device_bytes, modules=modules
-    )
+    sizes = {"world_size": args.world_size, "strategy": args.strategy, "device_bytes": device_bytes}
+    if cfg.component == "joint":  # train_joint.py: both halves train; the AR's loads the pipeline
+        plan = joint_plan(cfg.half("ar"), cfg.half("dit"), modules=modules, **sizes)
+        cfg = cfg.half("ar")
+    else:
+        plan = build_plan(cfg, modules=modules, **sizes)
     print(plan.table())
     loading = loading_host_plan(
         cfg, world_size=args.world_size, strategy=args.strategy, device=args.device, modules=modules

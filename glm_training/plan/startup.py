@@ -9,6 +9,7 @@ import torch
 
 from glm_training.plan.components import meta_components
 from glm_training.plan.device import build_plan
+from glm_training.plan.joint import joint_plan
 from glm_training.plan.loading import loading_host_plan
 from glm_training.plan.report import MemoryPlan, MemoryPlanError, format_gib
 
@@ -41,8 +42,9 @@ def _device_room(cfg: Any, accelerator: Any) -> int | None:
     return int(total * cfg.model.max_memory_fraction)
 
 
-def log_memory_plan(cfg: Any, accelerator: Any) -> MemoryPlan | None:
-    """Log the plan at the start of a run; on GPUs, stop before loading if it will not fit.
+def log_memory_plan(cfg: Any, accelerator: Any, dit_cfg: Any = None) -> MemoryPlan | None:
+    """Log the plan at the start of a run; on GPUs, stop before loading if it will not fit. A joint run
+    passes its AR half's config as `cfg` (it loads the pipeline) and its DiT half's as `dit_cfg`.
 
     The room is `model.max_memory_fraction` of this rank's GPU, or of all GPUs together when a single process
     spreads the model with a device map. A model whose configs cannot be read offline (a hub id other than
@@ -56,7 +58,10 @@ def log_memory_plan(cfg: Any, accelerator: Any) -> MemoryPlan | None:
     with accelerator.main_process_first():
         try:
             modules = meta_components(cfg.model)  # once, for both tables
-            plan = build_plan(cfg, world_size=world, device_bytes=device_bytes, modules=modules)
+            if dit_cfg is None:
+                plan = build_plan(cfg, world_size=world, device_bytes=device_bytes, modules=modules)
+            else:
+                plan = joint_plan(cfg, dit_cfg, world_size=world, device_bytes=device_bytes, modules=modules)
             loading = loading_host_plan(
                 cfg, world_size=world, device=accelerator.device.type, modules=modules
             )

@@ -1,7 +1,8 @@
 """Run under `torchrun --nproc_per_node=2` by tests/test_fsdp.py: several short runs of one trainer.
 
 argv: OUT KIND RUNS_JSON. KIND is "dit" or "ar"; RUNS_JSON maps a run name to its config overrides (which may
-start with `--config-name NAME` for another algorithm's config; its `algo.name` picks the algorithm), run in
+start with `--config-name NAME` for another algorithm's config, whose `algo.name` picks the algorithm, or for
+`joint_training`, a joint run of both halves), run in
 order (a later run may resume from an earlier one's checkpoint; a name ending in "!error" must be
 refused, and its message is reported). Each run writes its own output folder
 (the overrides name it); rank r writes `<OUT>/rank<r>.json`: per run, whether the trainable component
@@ -42,7 +43,13 @@ def main() -> None:
                 report[name] = {"error": str(err)}
                 continue
             raise AssertionError(f"run {name} was not refused")
-        trainer = build_trainer(load_config(overrides, config), kind)
+        cfg = load_config(overrides, config)
+        if cfg.component == "joint":  # train_joint.py: both halves, each sharded by its own strategy
+            trainer = build_trainer(cfg, "joint")
+            trainer.train()
+            report[name] = {"sharded": [p.sharded for p in trainer.policies.values()]}
+            continue
+        trainer = build_trainer(cfg, kind)
         local, total = trainable_counts(trainer.policy.trainable)
         # The dtype the first block's weights have while it runs (FSDP2's policy casts the gathered ones).
         seen = set()

@@ -69,6 +69,8 @@ class DecoderRollout:
             s.height // pipe.vae_scale_factor,
             s.width // pipe.vae_scale_factor,
         )
+        # Initial noise from the priors when they fix it (a joint run's per-prompt groups), else drawn here.
+        fixed = self.priors.initial_latents() if hasattr(self.priors, "initial_latents") else None
         chunks, images = [], []
         for start in range(0, len(sample_prompts), s.micro_batch_size):
             chunk = sample_prompts[start : start + s.micro_batch_size]
@@ -76,7 +78,10 @@ class DecoderRollout:
             cond = build_guidance_inputs(
                 pipe, texts, chunk_prior, s.height, s.width, s.guidance_scale, device, dtype
             )
-            latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=device)
+            if fixed is None:
+                latents = torch.randn((len(chunk), *latent_shape), generator=generator, device=device)
+            else:
+                latents = fixed[start : start + len(chunk)].to(device)
             with policy.precision(), policy.parallel.sampling(policy.trainable):
                 kept, final_latents = sample_chunk(
                     latents.to(dtype), cond, timesteps, sigmas, step, generator

@@ -113,12 +113,23 @@ class GRPO(Algorithm):
         scoring: ScoringQueue,
         round_index: int = 0,
     ) -> tuple[ARRollout, list]:
-        s, policy = self.cfg.sampling, self.policy
+        samples = self.sample_tokens(group_prompts, group_ids, step, round_index)
         texts = [group_prompts[g].text for g in group_ids]
+        seeds = self.noise_seeds(texts, group_ids, step, round_index)
+        prompts = [group_prompts[g] for g in group_ids]
+        images = self._render(samples.prior_token_ids, prompts, seeds, scoring)
+        return ARRollout(split_samples(samples)), images
+
+    def sample_tokens(
+        self, group_prompts: list[Prompt], group_ids: list[int], step: int, round_index: int = 0
+    ) -> ARSamples:
+        """This rank's image tokens from the policy, with the log-probs of sampling (the rollout's first
+        half: `train_joint.py` renders them with the DiT it trains)."""
+        s, policy = self.cfg.sampling, self.policy
         with policy.precision(), policy.parallel.sampling(policy.trainable):
-            samples = sample_image_tokens(
+            return sample_image_tokens(
                 policy.wrapper.pipeline,
-                texts,
+                [group_prompts[g].text for g in group_ids],
                 s.height,
                 s.width,
                 self.sampling_params,
@@ -127,12 +138,8 @@ class GRPO(Algorithm):
                 static_cache=s.static_cache,
                 compile=s.compile,
             )
-        seeds = self._noise_seeds(texts, group_ids, step, round_index)
-        prompts = [group_prompts[g] for g in group_ids]
-        images = self._render(samples.prior_token_ids, prompts, seeds, scoring)
-        return ARRollout(split_samples(samples)), images
 
-    def _noise_seeds(self, texts: list[str], group_ids: list[int], step: int, round_index: int) -> list[int]:
+    def noise_seeds(self, texts: list[str], group_ids: list[int], step: int, round_index: int) -> list[int]:
         """One DiT noise seed per sample, shared by its group (see `sampling.dit_noise_seed`)."""
         seed = self.cfg.trainer.seed
         if self.cfg.sampling.dit_noise_seed == "prompt":

@@ -81,7 +81,7 @@ class DynamicSampling:
         }
         for name in generated_parts[0]:
             stats[f"reward/{name}"] = torch.cat([p[name] for p in generated_parts]).mean().item()
-        return self._batch(pool, stats, preview)
+        return self.batch(pool, stats, preview)
 
     def _round(self, step: int, rounds: int) -> tuple[list[list[dict]], torch.Tensor, dict, tuple]:
         """One round on every rank: (every rank's samples by group, their totals, raw scores, this rank's
@@ -110,8 +110,9 @@ class DynamicSampling:
         groups = [everyone[g * k : (g + 1) * k] for g in range(len(everyone) // k)]
         return groups, totals.reshape(-1), all_parts, preview
 
-    def _batch(self, pool: list[list[dict]], stats: dict[str, float], preview: tuple) -> Batch:
-        """This rank's equal slice of the pool, with the pool's advantages."""
+    def batch(self, pool: list[list[dict]], stats: dict[str, float], preview: tuple) -> Batch:
+        """This rank's equal slice of the pool (every rank's records of the kept groups, each with its
+        "prompt" and total "reward"), with the pool's advantages."""
         if not pool:
             return Batch([], [], torch.zeros(0), {}, torch.zeros(0), ARRollout([]), stats, preview)
         pool_records = dist.flatten(pool)
