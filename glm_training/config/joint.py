@@ -207,8 +207,8 @@ class JointTrainConfig:
 
 
 def joint_key_error(cfg: Any, err: ConfigError) -> ConfigError:
-    """`err`, raised by one of the sections a joint config holds twice (their checks name the key as a
-    single-half config spells it: `algo.beta`), with the key as the joint config spells it (`ar.algo.beta`)."""
+    """`err`, raised by a section a joint config holds twice (whose checks name the key as a single-half
+    config spells it: `algo.beta`), with the key as the joint config spells it (`ar.algo.beta`)."""
     for where, prefix in SECTIONS:
         if not err.key.startswith(prefix):
             continue
