@@ -138,7 +138,7 @@ def test_with_the_dit_frozen_the_ar_update_is_the_ar_trainers(tmp_path):
     assert joint_rows[1]["ar_loss"] != 0
 
 
-def test_resume_is_bit_exact(tmp_path):
+def test_resume_is_bit_exact_and_the_export_holds_both_halves(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run("joint", "joint_training", [*SMALL, f"trainer.output_dir={full}", "trainer.num_steps=3"]) == 0
     assert run("joint", "joint_training", [*SMALL, f"trainer.output_dir={part}", "trainer.num_steps=2"]) == 0
@@ -150,6 +150,16 @@ def test_resume_is_bit_exact(tmp_path):
     assert [r["step"] for r in rows_part] == [1, 2, 3]
     keys = ("ar_reward_mean", "dit_reward_mean", "ar_loss", "dit_loss")
     assert [[r[k] for k in keys] for r in rows_full] == [[r[k] for k in keys] for r in rows_part]
+    # Each half's run folder is an ordinary one: the export writes one pipeline with both trained halves.
+    from diffusers import GlmImagePipeline
+
+    from glm_training.export import export
+
+    pipe = GlmImagePipeline.from_pretrained(str(export([part / "dit", part / "ar"], tmp_path / "exported")))
+    for half, component in (("ar", "vision_language_encoder"), ("dit", "transformer")):
+        loaded = getattr(pipe, component).state_dict()
+        for name, value in _weights(part, half, 3).items():
+            assert torch.equal(loaded[name], value), (half, name)
 
 
 def test_dynamic_sampling_drops_flat_ar_groups_from_the_ar_update_only(tmp_path):
@@ -200,6 +210,14 @@ def test_bad_input_names_the_key_and_the_fix(override, key, fix):
 def test_the_entry_point_refuses_before_loading(tmp_path, capsys):
     assert run("joint", "joint_training", [f"trainer.output_dir={tmp_path}", "dit_reward.names=[]"]) == 2
     assert "dit_reward.names" in capsys.readouterr().err
+    # The tiny quick-start on the real model: refused, naming the joint recipe.
+    assert run("joint", "joint_training", [f"trainer.output_dir={tmp_path}", "model=glm_image"]) == 2
+    assert "--config-name recipes/joint_glm_image" in capsys.readouterr().err
+    # A joint config given to another entry point, and the other way round.
+    assert run("dit", "joint_training", [f"trainer.output_dir={tmp_path}"]) == 2
+    assert "run it with train_joint.py" in capsys.readouterr().err
+    assert run("joint", "t2i_training", [f"trainer.output_dir={tmp_path}"]) == 2
+    assert "give train_joint.py a joint config" in capsys.readouterr().err
     assert not (tmp_path / "config.yaml").exists()
 
 

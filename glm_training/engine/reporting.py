@@ -130,9 +130,14 @@ class Progress:
         step = record["step"]
         if self.bar is not None:
             rewards = {k.removesuffix("_mean"): f"{record[k]:.4g}" for k in self.reward_keys}
-            self.bar.set_postfix(
-                **rewards, loss=f"{record.get('loss', math.nan):.3g}", step_s=f"{record['step_time_s']:.2f}"
-            )
+            # Each reward's loss beside it: loss, or ar_loss / dit_loss.
+            losses = {
+                k.replace(
+                    "reward_mean", "loss"
+                ): f"{record.get(k.replace('reward_mean', 'loss'), math.nan):.3g}"
+                for k in self.reward_keys
+            }
+            self.bar.set_postfix(**rewards, **losses, step_s=f"{record['step_time_s']:.2f}")
             self.bar.update(1)
         elif self.is_main:
             rewards = " ".join(f"{k.removesuffix('_mean')} {record[k]:.4g}" for k in self.reward_keys)
