@@ -67,21 +67,24 @@ def test_default_run_raises_both_rewards_and_trains_both_halves(tmp_path):
 
 
 class GivenPriors:
-    """The DiT trainer's prior tokens: the joint run's (`Parts.priors`)."""
+    """The DiT trainer's prior tokens and initial noise: the joint run's (`Parts.priors`)."""
 
     eval_tokens = None
 
-    def __init__(self, tokens: torch.Tensor):
-        self.tokens = tokens
+    def __init__(self, tokens: torch.Tensor, latents: torch.Tensor):
+        self.tokens, self.latents = tokens, latents
 
     def step_tokens(self, texts, seed, step):
         return self.tokens
 
+    def initial_latents(self):
+        return self.latents
+
 
 def test_with_the_ar_frozen_the_dit_update_is_the_dit_trainers(tmp_path):
     """One step with `ar.optim.lr=0`: the DiT trainer, given the joint run's priors as its groups (one prompt,
-    so both runs draw the same), ends with the joint run's DiT weights bit for bit (same kernels, same order)
-    and the same rewards and loss."""
+    so both runs draw the same) and their initial noise, ends with the joint run's DiT weights bit for bit
+    (same kernels, same order) and the same rewards and loss."""
     from glm_training.engine.trainer import DiTTrainer
     from glm_training.joint.trainer import JointTrainer
 
@@ -92,7 +95,7 @@ def test_with_the_ar_frozen_the_dit_update_is_the_dit_trainers(tmp_path):
     cfg = joint.cfg.half("dit")
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=str(tmp_path / "dit")))
     assert (cfg.data.num_groups_per_step, cfg.data.num_generations) == (4, 2)  # 2 prompts x 2 priors
-    DiTTrainer(cfg, priors=GivenPriors(joint.priors.tokens)).train()
+    DiTTrainer(cfg, priors=GivenPriors(joint.priors.tokens, joint.priors.latents)).train()
     _assert_equal(
         _weights(tmp_path / "joint", "dit", 1),
         load_file(str(tmp_path / "dit/checkpoints/step-000001/trainable.safetensors")),
@@ -223,7 +226,8 @@ def test_the_entry_point_refuses_before_loading(tmp_path, capsys):
 
 def test_each_priors_ar_reward_is_the_mean_over_its_renderings(tmp_path):
     """per_prior groups: the AR batch's reward of prior (g, p) is its R renderings' mean AR score, and its
-    advantage compares it with its prompt's other priors; the DiT's compares the renderings of one prior."""
+    advantage compares it with its prompt's other priors, rendered from the same R noises; the DiT's compares
+    the renderings of one prior."""
     from glm_training.engine.advantages import group_normalized_advantages
     from glm_training.joint.trainer import JointTrainer
 
@@ -238,6 +242,10 @@ def test_each_priors_ar_reward_is_the_mean_over_its_renderings(tmp_path):
     expected = group_normalized_advantages(batch.ar.rewards.view(2, 3)).reshape(-1)
     torch.testing.assert_close(batch.ar.advantages, expected)
     assert batch.dit.rewards.shape == (12,) and batch.dit.advantages.view(6, 2).sum(dim=1).abs().max() < 1e-5
+    # Rendering r of each prior of a prompt starts from one noise; the renderings of a prior from others.
+    noise = trainer.priors.latents.view(2, 3, 2, -1)  # [prompt, prior, rendering, ...]
+    assert torch.equal(noise[:, 0], noise[:, 1]) and torch.equal(noise[:, 0], noise[:, 2])
+    assert not torch.equal(noise[:, :, 0], noise[:, :, 1]) and not torch.equal(noise[0], noise[1])
 
 
 def test_the_memory_plan_counts_both_trained_halves_and_refuses_what_cannot_fit(capsys):
