@@ -16,5 +16,6 @@ class Parts:
     updates: UpdateLoop  # the shared update loop (inner epochs, mini-batches, optimizer steps)
     collector: Collector  # the step's samples and seeds, scoring, advantages
     # Where the DiT's prior tokens come from besides its AR model: a prior cache (`data.prior_cache`) or
-    # anything with its `step_tokens(texts, seed, step)` and `eval_tokens`; None for the AR model's own.
+    # anything with its `step_tokens(texts, seed, step)` and `eval_tokens` (and, to fix the rollout's initial
+    # noise too, `initial_latents()`: train_joint.py's `StepPriors`); None for the AR model's own.
     priors: Any = None
