@@ -2,11 +2,11 @@
 half (issue 37). A script to run, not a test.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/bench_joint.py --json out.json
-    python benchmarks/bench_joint.py --steps 40 --every 5 --seeds 0 1
+    python benchmarks/bench_joint.py --steps 40 --every 5 --seeds 0 1 [--rewards same]
 
 Both arms start from the same tiny model and use `configs/joint_training.yaml` with the decoupled recipe's
 rewards (`examples/decoupled_recipe.sh`): JPEG compressibility for the AR model, incompressibility (detail)
-for the DiT.
+for the DiT; `--rewards same` gives both halves compressibility.
 
 - joint: `JointTrainer`, `--steps` steps.
 - decoupled: the AR trainer on the joint config's AR half (`JointTrainConfig.half("ar")`: the same prompts,
@@ -52,7 +52,11 @@ from glm_training.joint.trainer import JointTrainer  # noqa: E402
 from glm_training.logs import setup_logging  # noqa: E402
 from glm_training.rewards import RewardSet  # noqa: E402
 
-REWARDS = ["ar_reward.names=[jpeg_compressibility]", "dit_reward.names=[jpeg_incompressibility]"]
+# The decoupled recipe's rewards (opposed: detail for the DiT, compressibility for the AR), or one for both.
+REWARDS = {
+    "decoupled": ["ar_reward.names=[jpeg_compressibility]", "dit_reward.names=[jpeg_incompressibility]"],
+    "same": ["ar_reward.names=[jpeg_compressibility]", "dit_reward.names=[jpeg_compressibility]"],
+}
 MODULES = {"ar": "vision_language_encoder", "dit": "transformer"}
 
 
@@ -61,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="training steps of each run")
     parser.add_argument("--every", type=int, default=5, help="steps between evaluations")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument(
+        "--rewards", choices=sorted(REWARDS), default="decoupled", help="the halves' rewards (REWARDS)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("overrides", nargs="*", help="joint config overrides (key=value)")
     return parser.parse_args(argv)
@@ -125,7 +132,12 @@ def time_to(points: list[tuple[float, float]], target: float) -> float | None:
 
 
 def compare(seed: int, args: argparse.Namespace, out: Path) -> dict:
-    overrides = [*REWARDS, f"trainer.seed={seed}", "trainer.progress_bar=false", "eval.every_n_steps=0"]
+    overrides = [
+        *REWARDS[args.rewards],
+        f"trainer.seed={seed}",
+        "trainer.progress_bar=false",
+        "eval.every_n_steps=0",
+    ]
     overrides += [f"trainer.num_steps={args.steps}", "logging.tensorboard=false", *args.overrides]
     cfg = load_config(config="joint_training", overrides=[*overrides, f"trainer.output_dir={out / 'joint'}"])
     prompts = load_eval_prompts(cfg.eval)
