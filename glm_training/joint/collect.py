@@ -25,19 +25,17 @@ from glm_training.engine.advantages import flat_groups
 from glm_training.engine.collect import Batch
 from glm_training.pipeline.dit import seeded_latents
 
-# Seed offset of rendering r: rendering 0 uses the AR trainer's seed of its group, r > 0 a distinct one.
-RENDERING_SEED_STRIDE = 1_000_003
-
 
 class StepPriors:
     """The DiT's prior tokens in a joint run: the AR model's samples of the current step, every rank's
-    (`Parts.priors`), and the initial noise of this rank's DiT samples (`JointAlgorithm._rendering_noise`)."""
+    (`Parts.priors`); in per_prompt grouping also the initial noise of this rank's DiT samples
+    (`JointAlgorithm._shared_noise`)."""
 
     eval_tokens = None  # evaluation samples its own tokens with the AR model that trains
 
     def __init__(self) -> None:
         self.tokens: torch.Tensor | None = None  # [G * P, L]
-        self.latents: torch.Tensor | None = None  # [this rank's DiT samples, C, h, w]
+        self.latents: torch.Tensor | None = None  # [this rank's DiT samples, C, h, w] or None
 
     def step_tokens(self, texts: list[str], seed: int, step: int) -> torch.Tensor:
         return self.tokens
@@ -85,7 +83,7 @@ class JointAlgorithm:
         dit_prompts = [p for p in ar_prompts for _ in range(num_priors)]  # one DiT group per prior
         start, end = dist.shard_bounds(len(dit_prompts) * renderings, self.rank, self.world_size)
         dit_ids = [i // renderings for i in range(start, end)]
-        self.priors.latents = self._rendering_noise(ar_prompts, range(start, end), step)
+        self.priors.latents = self._shared_noise(ar_prompts, range(start, end), step)
         overlap = self.cfg.dit_reward.overlap or self.cfg.ar_reward.overlap
         queues = BothQueues(self.dit_rewards.queue(overlap=overlap), self.ar_rewards.queue(overlap=overlap))
         rollout, images = self.dit.rollout(dit_prompts, dit_ids, step, queues)
@@ -108,16 +106,17 @@ class JointAlgorithm:
     def load_state(self, checkpoint: Any) -> None:
         return None
 
-    def _rendering_noise(self, ar_prompts: list[Prompt], samples: range, step: int) -> torch.Tensor:
-        """The initial noise of each of this rank's DiT samples: rendering r of every prior of a prompt
-        starts from the same noise (one seed per (prompt, r), `GRPO.noise_seeds`'s rule, r = 0 as train_ar.py
-        renders), so the priors of a prompt are compared on the same noises and differ by their tokens; the
-        renderings of one prior differ by their noise."""
-        d = self.cfg.data
-        renderings = d.renderings_per_prior
-        groups = [i // (renderings * d.num_priors) for i in samples]
+    def _shared_noise(self, ar_prompts: list[Prompt], samples: range, step: int) -> torch.Tensor | None:
+        """per_prompt grouping: the initial noise of each of this rank's DiT samples, one seed per prompt
+        (`GRPO.noise_seeds`, as train_ar.py renders), so the priors of a prompt differ by their tokens only.
+        None in per_prior grouping: the DiT's rollout draws its noise as train_dit.py does. (Sharing
+        rendering r's noise over a prompt's priors there too was measured worse: priors with equal tokens
+        then score within a few JPEG bytes, the AR advantage's sign turns on rounding, and the DiT sees 1/P
+        of the noises.)"""
+        if self.cfg.data.grouping() == "per_prior":
+            return None
+        groups = [i // self.cfg.data.num_priors for i in samples]
         seeds = self.ar.noise_seeds([ar_prompts[g].text for g in groups], groups, step, 0)
-        seeds = [seed + (i % renderings) * RENDERING_SEED_STRIDE for seed, i in zip(seeds, samples)]
         s = self.cfg.dit.sampling
         return seeded_latents(self.dit.policy.wrapper.pipeline, seeds, s.height, s.width)
 
