@@ -128,6 +128,9 @@ def train(trainer, steps: int, every: int, arms: list[Arm], offset: float = 0.0)
 
 
 def time_to(points: list[tuple[float, float]], target: float) -> float | None:
+    """The CPU seconds of the first evaluation at or above `target`; None for a target that is no gain."""
+    if target <= 0:
+        return None
     return next((t for t, gain in points if gain >= target), None)
 
 
@@ -173,9 +176,13 @@ def compare(seed: int, args: argparse.Namespace, out: Path) -> dict:
             "decoupled_stage_s": time_to(stage_arm.points, target),
         }
         result["curves"][half] = {"joint": joint_arm.points, "decoupled": stage_arm.points}
-    joint_s = max(result[h]["joint_s"] for h in ("ar", "dit"))
-    decoupled_s = result["ar"]["decoupled_stage_s"] + result["dit"]["decoupled_stage_s"]
-    result["both"] = {"joint_s": joint_s, "decoupled_s": decoupled_s, "speedup": decoupled_s / joint_s}
+    times = [result[h][k] for h in ("ar", "dit") for k in ("joint_s", "decoupled_stage_s")]
+    if None in times:  # an arm never gained on some half: no common target
+        result["both"] = {"joint_s": None, "decoupled_s": None, "speedup": None}
+    else:
+        joint_s = max(result[h]["joint_s"] for h in ("ar", "dit"))
+        decoupled_s = result["ar"]["decoupled_stage_s"] + result["dit"]["decoupled_stage_s"]
+        result["both"] = {"joint_s": joint_s, "decoupled_s": decoupled_s, "speedup": decoupled_s / joint_s}
     result["cpu_s_per_step"] = {
         "joint": joint_arms[0].points[-1][0] / args.steps,
         "decoupled_ar": ar_seconds / args.steps,
@@ -195,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             run = compare(seed, args, Path(out))
         report["runs"].append(run)
         both = run["both"]
+        if both["speedup"] is None:
+            print(f"seed {seed}: an arm never gained on one half; curves: {run['curves']}")
+            continue
         print(
             f"seed {seed}: AR target gain {run['ar']['target_gain']:+.3f}, "
             f"DiT {run['dit']['target_gain']:+.3f}; "
