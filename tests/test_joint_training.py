@@ -222,6 +222,10 @@ def test_the_entry_point_refuses_before_loading(tmp_path, capsys):
     assert run("joint", "t2i_training", [f"trainer.output_dir={tmp_path}"]) == 2
     assert "give train_joint.py a joint config" in capsys.readouterr().err
     assert not (tmp_path / "config.yaml").exists()
+    from glm_training.joint.trainer import JointTrainer
+
+    with pytest.raises(ConfigError, match="JointTrainer trains both halves"):
+        JointTrainer(load_config([f"trainer.output_dir={tmp_path}"], "t2i_training"))
 
 
 def test_each_priors_ar_reward_is_the_mean_over_its_renderings(tmp_path):

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from glm_training.checkpoint import CheckpointError
+from glm_training.config import ConfigError
 from glm_training.config.algorithms import algorithm_of
 from glm_training.distributed import collectives as dist
 from glm_training.distributed.strategies import make_parallelism
@@ -133,6 +134,12 @@ class JointTrainer(Trainer):
         *,
         pipeline: Any = None,
     ):
+        if cfg.component != "joint":
+            raise ConfigError(
+                "component",
+                f"JointTrainer trains both halves; this config trains the {cfg.component} half (give it a "
+                "joint config, e.g. load_config(config='joint_training'), or use DiTTrainer / ARTrainer).",
+            )
         setup_logging(dist.rank_info().rank == 0)
         ar_in = RunInputs(cfg.half("ar"), ar_reward_funcs, ar_reward_weights)
         dit_in = RunInputs(cfg.half("dit"), dit_reward_funcs, dit_reward_weights)
