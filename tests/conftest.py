@@ -79,6 +79,7 @@ LONGEST_FILES = (
     "test_ar_training.py",
     "test_robustness_signals.py",
     "test_gpu_check.py",
+    "test_joint_training.py",
     "test_nft_training.py",
     "test_fsdp_policy_copies.py",
     "test_recipe.py",
