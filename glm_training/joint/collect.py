@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from glm_training.algorithms.grpo.dynamic_sampling import shareable_groups
 from glm_training.algorithms.grpo.log_probs import ARRollout, split_samples
 from glm_training.data import Prompt
 from glm_training.distributed import collectives as dist
@@ -156,8 +157,7 @@ class JointAlgorithm:
         pool = [
             everyone[g * num_priors : (g + 1) * num_priors] for g, is_flat in enumerate(flat) if not is_flat
         ]
-        while pool and (len(pool) * num_priors) % self.world_size:
-            pool.pop()  # a size every rank can share equally
+        pool = pool[: shareable_groups(len(pool), num_priors, self.world_size)]
         stats = {
             "reward_mean": totals.mean().item(),
             "reward_std": totals.std(unbiased=False).item(),

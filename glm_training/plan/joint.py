@@ -15,9 +15,16 @@ from torch import nn
 from glm_training.plan.device import build_plan
 from glm_training.plan.report import MemoryPlan, Term
 
+SHARED = "overhead"  # the fixed term both halves' plans hold once
 
-def _prefixed(terms: list[Term], prefix: str) -> list[Term]:
-    return [Term(f"{prefix}{t.name}", t.bytes, t.detail) for t in terms]
+
+def _own(terms: list[Term], prefix: str) -> list[Term]:
+    """A half's own terms (not the components' weights nor the shared overhead), named by the half."""
+    return [
+        Term(f"{prefix}{t.name}", t.bytes, t.detail)
+        for t in terms
+        if not t.name.startswith("weights: ") and t.name != SHARED
+    ]
 
 
 def joint_plan(
@@ -32,21 +39,14 @@ def joint_plan(
     """The per-rank plan of a joint run from its two halves' run configs (`JointTrainConfig.half`)."""
     sizes = {"world_size": world_size, "strategy": strategy, "device_bytes": device_bytes, "modules": modules}
     dit, ar = build_plan(dit_cfg, **sizes), build_plan(ar_cfg, **sizes)
+    # The weights as the DiT's plan holds them, but the AR model's as its own strategy holds it.
     ar_weights = next(t for t in ar.static if t.name == "weights: vision_language_encoder")
-    static = [ar_weights if t.name == ar_weights.name else t for t in dit.static]
-    # Everything of the AR plan but the weights of the components (counted above) and the fixed overhead.
-    ar_own = [t for t in ar.static if not t.name.startswith("weights: ") and t.name != "overhead"]
+    weights = [
+        ar_weights if t.name == ar_weights.name else t for t in dit.static if t.name.startswith("weights: ")
+    ]
     plan = MemoryPlan("joint", dit.strategy, world_size, device_bytes=device_bytes)
-    overhead = [t for t in static if t.name == "overhead"]
-    plan.static = [
-        *_prefixed([t for t in static if t.name != "overhead"], "DiT: "),
-        *_prefixed(ar_own, "AR: "),
-        *overhead,
-    ]
-    plan.static = [
-        Term(t.name.replace("DiT: weights: ", "weights: "), t.bytes, t.detail) for t in plan.static
-    ]
+    shared = [t for t in dit.static if t.name == SHARED]
+    plan.static = [*weights, *_own(dit.static, "DiT: "), *_own(ar.static, "AR: "), *shared]
     plan.activations = max(dit.activations, ar.activations, key=lambda t: t.bytes)
-    plan.activations_other = None
     plan.rollout = max(dit.rollout, ar.rollout, key=lambda t: t.bytes)
     return plan

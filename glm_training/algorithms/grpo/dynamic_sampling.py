@@ -24,6 +24,13 @@ from glm_training.errors import UserError
 logger = logging.getLogger("glm_training")
 
 
+def shareable_groups(num_groups: int, group_size: int, world_size: int) -> int:
+    """The most of `num_groups` groups whose samples split equally over `world_size` ranks."""
+    while num_groups and (num_groups * group_size) % world_size:
+        num_groups -= 1
+    return num_groups
+
+
 class DynamicSamplingExhausted(UserError, RuntimeError):
     """Too few groups with reward spread after the resampling budget (`on_budget_exhausted=error`)."""
 
@@ -149,8 +156,6 @@ class DynamicSampling:
             )
         # Train on what was found, in a size every rank can share equally.
         k, w = self.cfg.data.num_generations, self.collector.world_size
-        usable = num_valid
-        while usable and (usable * k) % w:
-            usable -= 1
+        usable = shareable_groups(num_valid, k, w)
         logger.warning("%s; training on %d group(s) this step.", message, usable)
         return pool[:usable]
