@@ -1,7 +1,8 @@
 """`python train_joint.py`: both halves from one rollout. The default run raises both rewards and changes both
 halves; with the AR frozen the DiT's update is the DiT trainer's on the same rollout, and with the DiT frozen
-and one ODE rendering per prior the AR's update is the AR trainer's; resume is bit-exact; DAPO's filter drops
-flat AR groups from the AR update only; bad input stops before loading, naming the key and the fix."""
+and one ODE rendering per prior the AR's update is the AR trainer's; resume is bit-exact, also after a stop
+between the two halves' saves; DAPO's filter drops flat AR groups from the AR update only; bad input stops
+before loading, naming the key and the fix."""
 
 from __future__ import annotations
 
@@ -88,10 +89,11 @@ class GivenPriors:
 
 def test_with_the_ar_frozen_the_dit_update_is_the_dit_trainers(tmp_path):
     """One step with `ar.optim.lr=0`: the DiT trainer, given the joint run's priors as its groups (one prompt,
-    so both runs draw the same) and their initial noise, ends with the joint run's DiT weights bit for bit
-    (same kernels, same order) and the same rewards and loss."""
+    so both runs draw the same) and their initial noise, and drawing from the joint run's DiT seed stream,
+    ends with the joint run's DiT weights bit for bit (same kernels, same order) and the same rewards and
+    loss."""
     from glm_training.engine.trainer import DiTTrainer
-    from glm_training.joint.trainer import JointTrainer
+    from glm_training.joint.trainer import SEED_STREAMS, JointTrainer
 
     (tmp_path / "one.txt").write_text("a red cube on a table\n")
     extra = [f"data.prompt_file={tmp_path / 'one.txt'}", "trainer.num_steps=1", "ar.optim.lr=0"]
@@ -100,7 +102,8 @@ def test_with_the_ar_frozen_the_dit_update_is_the_dit_trainers(tmp_path):
     cfg = joint.cfg.half("dit")
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=str(tmp_path / "dit")))
     assert (cfg.data.num_groups_per_step, cfg.data.num_generations) == (4, 2)  # 2 prompts x 2 priors
-    DiTTrainer(cfg, priors=GivenPriors(joint.priors.tokens, joint.priors.latents)).train()
+    priors = GivenPriors(joint.priors.tokens, joint.priors.latents)
+    DiTTrainer(cfg, priors=priors, seed_stream=SEED_STREAMS["dit"]).train()
     _assert_equal(
         _weights(tmp_path / "joint", "dit", 1),
         load_file(str(tmp_path / "dit/checkpoints/step-000001/trainable.safetensors")),
@@ -110,7 +113,9 @@ def test_with_the_ar_frozen_the_dit_update_is_the_dit_trainers(tmp_path):
         read_metrics(tmp_path / "dit" / "metrics.jsonl"),
     )
     assert a["dit_reward_mean"] == b["reward_mean"] and a["dit_loss"] == b["loss"]
-    assert a["dit_loss"] != 0
+    # At the first ratio (exactly 1) the loss is -mean(advantages), 0 but for rounding (0.0 on this rollout):
+    # the gradient shows that the update compared is not empty.
+    assert a["dit_grad_norm"] == b["grad_norm"] > 0
 
 
 def test_with_the_dit_frozen_the_ar_update_is_the_ar_trainers(tmp_path):
@@ -168,6 +173,107 @@ def test_resume_is_bit_exact_and_the_export_holds_both_halves(tmp_path):
         loaded = getattr(pipe, component).state_dict()
         for name, value in _weights(part, half, 3).items():
             assert torch.equal(loaded[name], value), (half, name)
+
+
+class Preempted(Exception):
+    """The process killed mid-save: nothing after it runs."""
+
+
+def test_a_run_stopped_between_the_two_saves_resumes_by_itself(tmp_path, monkeypatch, caplog):
+    """Stopped after the AR's checkpoint and before the DiT's: `trainer.resume=latest` resumes both halves
+    from the newest step both saved (the start, when it stopped between the first two saves), sets the AR's
+    unpaired checkpoint aside (kept, logged) and trains on. Stopped between the first saves, then again
+    between the saves of step 2 (with `keep_last=1`: the halves prune once both saved), the run ends equal,
+    bit for bit, to the run that was not stopped."""
+    from glm_training.joint.trainer import JointTrainer
+
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    args = [*SMALL, "trainer.num_steps=2", "trainer.save_every=1", "trainer.keep_last=1"]
+    assert run("joint", "joint_training", [*args, f"trainer.output_dir={full}"]) == 0
+    args.append(f"trainer.output_dir={stopped}")
+
+    def stopped_at(stop: int, *extra: str) -> None:
+        trainer = JointTrainer(load_config([*args, *extra], "joint_training"))
+        dit_checkpoints = trainer.checkpoints.halves[1]
+        save = dit_checkpoints.save
+
+        def killed_at_the_stop(step: int, at_once: bool = True) -> None:
+            if step == stop:
+                raise Preempted
+            save(step, at_once)
+
+        monkeypatch.setattr(dit_checkpoints, "save", killed_at_the_stop)
+        with pytest.raises(Preempted):
+            trainer.train()
+
+    def listed() -> dict[str, list[str]]:
+        folders = {h: stopped / h / "checkpoints" for h in ("ar", "dit")}
+        return {h: sorted(p.name for p in f.iterdir()) if f.is_dir() else [] for h, f in folders.items()}
+
+    def steps_logged() -> list[int]:
+        return [r["step"] for r in read_metrics(stopped / "metrics.jsonl")]
+
+    stopped_at(1)
+    assert listed() == {"ar": ["step-000001"], "dit": []} and steps_logged() == [1]
+    stopped_at(2, "trainer.resume=latest")  # starts over, then stops between the saves of step 2
+    assert listed() == {"ar": ["step-000001", "step-000001.unpaired", "step-000002"], "dit": ["step-000001"]}
+    assert steps_logged() == [1, 2]  # the first try's row of step 1 dropped, then written again
+    with caplog.at_level("WARNING", logger="glm_training"):
+        assert run("joint", "joint_training", [*args, "trainer.resume=latest"]) == 0
+    assert any("set the unpaired checkpoint" in r.getMessage() for r in caplog.records)
+    unpaired = ["step-000001.unpaired", "step-000002", "step-000002.unpaired"]
+    assert listed() == {"ar": unpaired, "dit": ["step-000002"]} and steps_logged() == [1, 2]
+    for half in ("ar", "dit"):
+        _assert_equal(_weights(full, half, 2), _weights(stopped, half, 2))
+    kept = stopped / "ar" / "checkpoints" / "step-000002.unpaired"  # as it was written
+    _assert_equal(_weights(full, "ar", 2), load_file(str(kept / "trainable.safetensors")))
+    rows_full, rows_stopped = read_metrics(full / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
+    keys = ("ar_reward_mean", "dit_reward_mean", "ar_loss", "dit_loss")
+    assert [[r[k] for k in keys] for r in rows_full] == [[r[k] for k in keys] for r in rows_stopped]
+
+
+def _checkpoint(run_dir, step: int, damaged: bool = False) -> None:
+    """A checkpoint folder as `save_checkpoint` finishes one (a file, its hash, the state file last)."""
+    from glm_training.checkpoint import STATE_FILE, checkpoint_dir, write_hashes
+
+    folder = checkpoint_dir(run_dir, step)
+    folder.mkdir(parents=True)
+    (folder / "trainable.safetensors").write_bytes(b"weights")
+    write_hashes(folder)
+    if damaged:
+        (folder / "trainable.safetensors").write_bytes(b"weightz")
+    (folder / STATE_FILE).write_text(json.dumps({"step": step}))
+
+
+@pytest.mark.parametrize(
+    ("ar", "dit", "step", "passed"),
+    [
+        ([1, 2], [1], 1, [("ar", 2, "unpaired")]),  # stopped between the saves of step 2
+        ([1, 2], [1, -2], 1, [("ar", 2, "unpaired"), ("dit", 2, "damaged")]),
+        ([1], [], 0, [("ar", 1, "unpaired")]),  # between the first two saves: starts over
+        ([1, 2], [1, 2], 2, []),
+    ],
+)
+def test_the_resume_step_is_the_newest_both_halves_saved_intact(tmp_path, ar, dit, step, passed):
+    """`find_paired_resume` on the halves' folders (a negative step: that checkpoint is damaged)."""
+    from glm_training.checkpoint import checkpoint_dir, find_paired_resume
+
+    halves = {"ar": tmp_path / "ar", "dit": tmp_path / "dit"}
+    for half, steps in (("ar", ar), ("dit", dit)):
+        for s in steps:
+            _checkpoint(halves[half], abs(s), damaged=s < 0)
+    expected = [(checkpoint_dir(halves[h], s), why) for h, s, why in passed]
+    assert find_paired_resume(list(halves.values())) == (step, expected)
+
+
+def test_the_resume_is_refused_without_checkpoints_or_with_only_damaged_ones(tmp_path):
+    from glm_training.checkpoint import CheckpointError, find_paired_resume
+
+    with pytest.raises(CheckpointError, match="holds a complete checkpoint"):
+        find_paired_resume([tmp_path / "none" / "ar", tmp_path / "none" / "dit"])
+    _checkpoint(tmp_path / "bad" / "ar", 1, damaged=True)
+    with pytest.raises(CheckpointError, match="no step has an intact checkpoint of every half"):
+        find_paired_resume([tmp_path / "bad" / "ar", tmp_path / "bad" / "dit"])
 
 
 def test_dynamic_sampling_drops_flat_ar_groups_from_the_ar_update_only(tmp_path):

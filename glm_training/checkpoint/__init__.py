@@ -13,8 +13,8 @@ data, and loading one never runs code from its pickles.
 
 The modules: `layout.py` (file names, folders, the state file), `integrity.py` (hashes), `trainable.py`
 (the trained parameters by name), `sharded.py` (DCP folders), `rng.py` (random streams), `save.py` (the
-atomic write), `load.py` (restoring a run), `resume.py` (which checkpoint to resume from; damaged, later
-and pruned ones), `info.py` (a checkpoint read from outside a run).
+atomic write), `load.py` (restoring a run), `resume.py` (which checkpoint to resume from; damaged, unpaired,
+later and pruned ones), `info.py` (a checkpoint read from outside a run).
 """
 
 from glm_training.checkpoint.info import CheckpointInfo, read_checkpoint, resolve_checkpoint
@@ -38,6 +38,7 @@ from glm_training.checkpoint.layout import (
 )
 from glm_training.checkpoint.load import load_checkpoint
 from glm_training.checkpoint.resume import (
+    find_paired_resume,
     find_resume,
     later_checkpoints,
     prune_checkpoints,
@@ -71,6 +72,7 @@ __all__ = [
     "check_trainable_names",
     "checkpoint_dir",
     "file_sha256",
+    "find_paired_resume",
     "find_resume",
     "later_checkpoints",
     "list_checkpoints",

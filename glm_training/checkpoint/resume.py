@@ -3,13 +3,16 @@
 `resume=latest` takes the newest checkpoint whose files pass their recorded hashes (`integrity.py`),
 passing over damaged ones with a warning; a damaged checkpoint is set aside (renamed, never deleted), the
 checkpoints past the resumed step are found so they can be written again, and all but the newest
-`keep_last` are pruned.
+`keep_last` are pruned. A run whose halves are checkpointed in folders of their own (a joint run's `ar/` and
+`dit/`) resumes from the newest step every half completed (`find_paired_resume`): a stop between the halves'
+saves leaves the newer half's checkpoint unpaired, and it is set aside as a damaged one is.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from glm_training.checkpoint.integrity import verify_checkpoint
@@ -56,10 +59,7 @@ def _find_latest(output_dir: Path) -> tuple[Path, list[Path]]:
     """The newest intact checkpoint in `output_dir`, and the damaged ones newer than it."""
     found = list_checkpoints(output_dir)
     if not found:
-        raise CheckpointError(
-            f"trainer.resume=latest but '{output_dir}/checkpoints' holds no complete checkpoint; set "
-            "trainer.output_dir to the run to continue, or drop trainer.resume to start afresh."
-        )
+        raise _no_checkpoint(f"'{output_dir}/checkpoints' holds no complete checkpoint")
     problems, damaged = [], []
     for path in reversed(found):
         problem = verify_checkpoint(path)
@@ -74,17 +74,59 @@ def _find_latest(output_dir: Path) -> tuple[Path, list[Path]]:
     )
 
 
-def set_aside(checkpoint: Path) -> Path:
-    """Rename a damaged checkpoint to `<name>.damaged` (`.damaged-2`, ... if taken) and log it: kept for
-    inspection, never deleted, and no longer a checkpoint (`list_checkpoints`), so that a run resumed from
-    an older one writes that step again."""
-    target = checkpoint.with_name(f"{checkpoint.name}.damaged")
+def _no_checkpoint(what: str) -> CheckpointError:
+    return CheckpointError(
+        f"trainer.resume=latest but {what}; set trainer.output_dir to the run to continue, or drop "
+        "trainer.resume to start afresh."
+    )
+
+
+def find_paired_resume(output_dirs: Sequence[Path]) -> tuple[int, list[tuple[Path, str]]]:
+    """`resume=latest` for a run whose halves are checkpointed in folders of their own, `output_dirs` (a
+    joint run's `ar/` and `dit/`, saved one after the other at the same steps): the newest step of which
+    every half holds an intact checkpoint, and the checkpoints past it, each with why it is passed over:
+    "damaged" (its files fail their hashes) or "unpaired" (intact, but another half has no intact
+    checkpoint of its step: the run stopped between the halves' saves).
+
+    Step 0 (the run's start) when no step is held by every half and none was damaged (a stop between the
+    halves' first saves); refused when no half holds a checkpoint, or when damage leaves no step held by all.
+    """
+    held = [{read_checkpoint_state(p)["step"]: p for p in list_checkpoints(d)} for d in output_dirs]
+    if not any(held):
+        folders = " nor ".join(f"'{d}/checkpoints'" for d in output_dirs)
+        raise _no_checkpoint(f"neither {folders} holds a complete checkpoint")
+    passed: list[tuple[Path, str]] = []
+    problems = []
+    for step in sorted(set().union(*held), reverse=True):
+        paths = [h.get(step) for h in held]
+        found = {p: verify_checkpoint(p) for p in paths if p is not None}
+        if None not in paths and all(problem is None for problem in found.values()):
+            return step, passed
+        for path, problem in found.items():
+            if problem is not None:
+                logger.warning("skipping checkpoint %s: %s", path, problem)
+                problems.append(problem)
+            passed.append((path, "unpaired" if problem is None else "damaged"))
+    if problems:
+        raise CheckpointError(
+            f"trainer.resume=latest: no step has an intact checkpoint of every half ({'; '.join(problems)}); "
+            "restore the files from a copy, or drop trainer.resume to start afresh."
+        )
+    return 0, passed
+
+
+def set_aside(checkpoint: Path, why: str = "damaged") -> Path:
+    """Rename a checkpoint a resume passes over to `<name>.<why>` (`.<why>-2`, ... if taken) and log it:
+    kept for inspection, never deleted, and no longer a checkpoint (`list_checkpoints`), so that a run
+    resumed from an older one writes that step again. `why`: "damaged" (`find_resume`) or "unpaired"
+    (`find_paired_resume`)."""
+    target = checkpoint.with_name(f"{checkpoint.name}.{why}")
     n = 1
     while target.exists():
         n += 1
-        target = checkpoint.with_name(f"{checkpoint.name}.damaged-{n}")
+        target = checkpoint.with_name(f"{checkpoint.name}.{why}-{n}")
     checkpoint.rename(target)
-    logger.warning("set the damaged checkpoint %s aside as %s (kept, not deleted)", checkpoint, target.name)
+    logger.warning("set the %s checkpoint %s aside as %s (kept, not deleted)", why, checkpoint, target.name)
     return target
 
 

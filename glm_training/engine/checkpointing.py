@@ -4,15 +4,16 @@
 Saving is collective. With `trainer.async_save` a checkpoint's sharded weights and optimizer state may be
 written in the background; it becomes final at the next save (or the run's end), so at most one is in flight.
 Resuming: rank 0 checks the hashes and tells the others which checkpoint to load, or the error, so that no
-rank waits in a collective for one that failed.
+rank waits in a collective for one that failed (`agreed`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from glm_training.checkpoint import (
     CheckpointError,
@@ -29,6 +30,7 @@ from glm_training.config import config_to_yaml
 from glm_training.distributed import collectives as dist
 
 logger = logging.getLogger("glm_training")
+T = TypeVar("T")
 
 
 def resolve_output_dir(cfg: Any, is_main: bool, halves: tuple[str, ...] = ("",)) -> Path:
@@ -51,18 +53,44 @@ def resolve_output_dir(cfg: Any, is_main: bool, halves: tuple[str, ...] = ("",))
     return path
 
 
+def agreed(decide: Callable[[], T], is_main: bool) -> T:
+    """Collective: rank 0's `decide()` on every rank, or the `CheckpointError` it raised raised on every rank,
+    so that no rank waits in a collective for one that failed."""
+    choice: tuple[T | None, str] = (None, "")
+    if is_main:
+        try:
+            choice = (decide(), "")
+        except CheckpointError as err:
+            choice = (None, str(err))
+    value, error = dist.broadcast_object(choice)
+    if error:
+        raise CheckpointError(error)
+    return value
+
+
 class Checkpointer:
     """Saves and resumes `policy` (weights, optimizer, schedule, EMA) and the own state of each of `parts`
     (the algorithm, the monitors: `part.state()`: {file name: object}, restored by
-    `part.load_state(folder)`)."""
+    `part.load_state(folder)`). `prunes`: delete all but the newest `trainer.keep_last` checkpoints after each
+    save (a joint run's halves prune together once both saved: `joint.trainer.BothCheckpoints`)."""
 
-    def __init__(self, cfg: Any, output_dir: Path, policy: Any, parts: list[Any], rank: int, is_main: bool):
+    def __init__(
+        self,
+        cfg: Any,
+        output_dir: Path,
+        policy: Any,
+        parts: list[Any],
+        rank: int,
+        is_main: bool,
+        prunes: bool = True,
+    ):
         self.cfg = cfg
         self.output_dir = output_dir
         self.policy = policy
         self.parts = parts
         self.rank = rank
         self.is_main = is_main
+        self.prunes = prunes
         self.pending = None  # a checkpoint being written in the background (trainer.async_save)
         self.background_group = None
 
@@ -103,6 +131,13 @@ class Checkpointer:
             self._after_checkpoint()
 
     def _after_checkpoint(self) -> None:
+        if self.prunes:
+            self.prune()
+        else:
+            dist.barrier()
+
+    def prune(self) -> None:
+        """Collective: delete all but the newest `trainer.keep_last` complete checkpoints."""
         if self.is_main:
             prune_checkpoints(self.output_dir, self.cfg.trainer.keep_last)
         dist.barrier()
@@ -113,16 +148,10 @@ class Checkpointer:
         resume = self.cfg.trainer.resume
         if not resume:
             return 0
-        choice: tuple[str, str] = ("", "")
-        if self.is_main:
-            try:
-                choice = (str(self._resume_point(resume)), "")
-            except CheckpointError as err:
-                choice = ("", str(err))
-        path_str, error = dist.broadcast_object(choice)
-        if error:
-            raise CheckpointError(error)
-        path = Path(path_str)
+        return self.load(agreed(lambda: self._resume_point(resume), self.is_main))
+
+    def load(self, path: Path) -> int:
+        """Collective: load checkpoint `path` into the policy and the parts; the step it was written at."""
         policy = self.policy
         step, ema_state = load_checkpoint(
             path,

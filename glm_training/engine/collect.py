@@ -3,7 +3,8 @@
 The step's `num_groups_per_step x num_generations` samples are laid out group-major and each rank takes an
 equal contiguous slice, so a group may straddle ranks: every rank gathers every rank's raw scores, combines
 them into totals and computes the same global advantages, then keeps its slice. Prompts and sampling seeds
-are functions of (seed, step, round, rank) only, so identical after a resume.
+are functions of (seed, step, round, rank) only, so identical after a resume; a run with two collectors
+(`train_joint.py`'s halves) gives each its own stream of sampling seeds (`Collector.seed_stream`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from glm_training.rewards.combine import ScoringQueue
 Rollout = Callable[[list[Prompt], list[int], int, ScoringQueue], tuple[Any, list]]
 # (every rank's totals [G * K], every rank's raw scores by name) -> (advantages [G * K], statistics).
 Advantages = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+# How far apart two seed streams' sampling seeds are. The CPU generator seeds from a seed's low 32 bits only:
+# 2^31 - 1 keeps one stream's seeds half that range from another's, so at a step no seed of one stream is any
+# rank's seed of the other (the nearest meet ~21000 steps apart, ~10^9 on one rank).
+SEED_STREAM_OFFSET = 2**31 - 1
 
 
 @dataclass
@@ -42,14 +47,24 @@ class Batch:
 
 
 class Collector:
-    """This rank's samples of each step, their scoring, and the batch with its advantages."""
+    """This rank's samples of each step, their scoring, and the batch with its advantages. `seed_stream`:
+    which stream of sampling seeds it draws from (`sample_seed`); 0, every single-half run's."""
 
-    def __init__(self, cfg: Any, prompts: list[Prompt], rewards: RewardSet, rank: int, world_size: int):
+    def __init__(
+        self,
+        cfg: Any,
+        prompts: list[Prompt],
+        rewards: RewardSet,
+        rank: int,
+        world_size: int,
+        seed_stream: int = 0,
+    ):
         self.cfg = cfg
         self.prompts = prompts
         self.rewards = rewards
         self.rank = rank
         self.world_size = world_size
+        self.seed_stream = seed_stream
 
     def step_samples(self, step: int, round_index: int = 0) -> tuple[list[Prompt], list[int]]:
         """The step's group prompts (identical on every rank) and the group of each of this rank's samples."""
@@ -60,8 +75,9 @@ class Collector:
         return group_prompts, [i // k for i in range(start, end)]
 
     def sample_seed(self, step: int, round_index: int = 0) -> int:
-        """Seed of this rank's sampling noise at `step`: a function of (seed, step, round, rank) only."""
-        return ((self.cfg.trainer.seed * 1_000_003 + step) * 101 + round_index) * 1009 + self.rank
+        """Seed of this rank's sampling noise at `step`: a function of (seed, step, round, rank, stream)."""
+        seed = ((self.cfg.trainer.seed * 1_000_003 + step) * 101 + round_index) * 1009 + self.rank
+        return seed + self.seed_stream * SEED_STREAM_OFFSET
 
     @staticmethod
     def submit_chunk(scoring: ScoringQueue, images: list, prompts: list[Prompt]) -> None:

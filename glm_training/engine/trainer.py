@@ -51,7 +51,9 @@ class Trainer:
     `reward_funcs` / `reward_weights`: rewards from Python (`engine/inputs.py`). `pipeline`: an already-built
     GlmImagePipeline to train instead of loading `model.name`. `priors`: where the DiT's prior tokens come
     from instead of its AR model or `data.prior_cache` (`Parts.priors`). `algorithm`: the algorithm class,
-    instead of the table's entry for `algo.name`.
+    instead of the table's entry for `algo.name`. `seed_stream`: the stream of sampling seeds it draws from
+    (`Collector.sample_seed`); 0 by default, `joint.trainer.SEED_STREAMS["dit"]` to sample as a joint run's
+    DiT does.
     """
 
     component: str = ""  # set by `DiTTrainer` / `ARTrainer`: the half their configs must train
@@ -66,6 +68,7 @@ class Trainer:
         pipeline: Any = None,
         priors: Any = None,
         algorithm: type | None = None,
+        seed_stream: int = 0,
     ):
         if self.component and cfg.component != self.component:
             raise ConfigError(
@@ -90,7 +93,9 @@ class Trainer:
         )
         self.policies = {"": self.policy}  # by the prefix of their statistics (`lr`)
         self.updates = UpdateLoop(self.policy, cfg.algo.num_inner_epochs, cfg.algo.num_mini_batches)
-        self.collector = Collector(cfg, self.inputs.prompts, self.rewards, self.rank, self.world_size)
+        self.collector = Collector(
+            cfg, self.inputs.prompts, self.rewards, self.rank, self.world_size, seed_stream
+        )
         algorithm_cls = algorithm or algorithm_of(cfg).algorithm_class()
         self.algorithm = algorithm_cls(cfg, Parts(self.policy, self.updates, self.collector, self.priors))
         self.monitor = ImageMonitor(cfg)
@@ -113,8 +118,9 @@ class Trainer:
         """Resume from `trainer.resume` (the metrics rows after it are dropped), then start the tracker."""
         cfg = self.cfg
         self.start_step = self.checkpoints.resume()
-        if self.start_step:
-            self.metrics.truncate_after(self.start_step)  # rows of steps the run will write again
+        if cfg.trainer.resume:
+            # Rows of steps the run will write again (all of them when a joint run's resume starts over).
+            self.metrics.truncate_after(self.start_step)
         for policy in self.policies.values():
             policy.wrapper.pipeline.set_progress_bar_config(disable=True)
         self.tracker = build_tracker(

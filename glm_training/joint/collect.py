@@ -110,10 +110,10 @@ class JointAlgorithm:
     def _shared_noise(self, ar_prompts: list[Prompt], samples: range, step: int) -> torch.Tensor | None:
         """per_prompt grouping: the initial noise of each of this rank's DiT samples, one seed per prompt
         (`GRPO.noise_seeds`, as train_ar.py renders), so the priors of a prompt differ by their tokens only.
-        None in per_prior grouping: the DiT's rollout draws its noise as train_dit.py does. (Sharing
-        rendering r's noise over a prompt's priors there too was measured worse: priors with equal tokens
-        then score within a few JPEG bytes, the AR advantage's sign turns on rounding, and the DiT sees 1/P
-        of the noises.)"""
+        None in per_prior grouping: the DiT's rollout draws its noise as train_dit.py does, from the DiT's
+        seed stream (`trainer.SEED_STREAMS`). (Sharing rendering r's noise over a prompt's priors there too
+        was measured worse: priors with equal tokens then score within a few JPEG bytes, the AR advantage's
+        sign turns on rounding, and the DiT sees 1/P of the noises.)"""
         if self.cfg.data.grouping() == "per_prior":
             return None
         groups = [i // self.cfg.data.num_priors for i in samples]

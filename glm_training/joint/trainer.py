@@ -5,21 +5,25 @@ halves built as their own trainers build them: two `Policy` objects on one pipel
 DiT's shares it), each with its strategy, optimizer, LoRA or full fine-tuning and KL reference; the AR's
 algorithm from the table (`GRPO`), the DiT's (`FlowGRPO`), each with its own run config
 (`JointTrainConfig.half`), collector and update loop. `JointAlgorithm` (`collect.py`) runs the shared rollout
-and both updates. Checkpoints: `<output_dir>/ar/checkpoints/` and `<output_dir>/dit/checkpoints/`, each an
-ordinary run's (`export --checkpoint <output_dir>/dit --checkpoint <output_dir>/ar` writes one pipeline).
+and both updates. The two collectors draw their sampling seeds from streams of their own (`SEED_STREAMS`).
+Checkpoints: `<output_dir>/ar/checkpoints/` and `<output_dir>/dit/checkpoints/`, each an ordinary run's
+(`export --checkpoint <output_dir>/dit --checkpoint <output_dir>/ar` writes one pipeline); a resume starts
+from the newest step both halves saved (`BothCheckpoints`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import Any
 
-from glm_training.checkpoint import CheckpointError
+from glm_training.checkpoint import checkpoint_dir, find_paired_resume, set_aside
 from glm_training.config import ConfigError
 from glm_training.config.algorithms import algorithm_of
 from glm_training.distributed import collectives as dist
 from glm_training.distributed.strategies import make_parallelism
-from glm_training.engine.checkpointing import Checkpointer
+from glm_training.engine.checkpointing import Checkpointer, agreed
 from glm_training.engine.collect import Collector
 from glm_training.engine.inputs import RunInputs
 from glm_training.engine.monitor import ImageMonitor
@@ -33,7 +37,14 @@ from glm_training.logs import setup_logging
 from glm_training.plan import log_memory_plan
 from glm_training.rewards.combine import RewardFuncs
 
+logger = logging.getLogger("glm_training")
+
 HALVES = ("ar", "dit")
+# Each half's stream of sampling seeds (`Collector.sample_seed`): the AR decodes as train_ar.py does (stream
+# 0, so a joint run's priors are the AR trainer's), the DiT draws its initial and SDE noise from its own, so a
+# rendering's noise is independent of the AR decoding that wrote its prior (one seed would start both from
+# one random sequence). `DiTTrainer(..., seed_stream=SEED_STREAMS["dit"])` samples as a joint run's DiT.
+SEED_STREAMS = {"ar": 0, "dit": 1}
 # Evaluation's scalar names -> a joint run's (dit_reward is evaluated as the rewards, ar_reward as watched).
 RENAMED = (
     ("eval/reward_mean", "eval/dit_reward_mean"),
@@ -69,8 +80,14 @@ class JointInputs:
 
 
 class BothCheckpoints:
-    """The two halves' `Checkpointer`s, saved and resumed together; a resume whose halves stopped at
-    different steps is refused, naming both."""
+    """The two halves' `Checkpointer`s (built with `prunes=False`), saved one after the other and pruned
+    together once both saved, so that a stop between the two saves always leaves a step both completed.
+
+    `trainer.resume=latest` resumes both from the newest step both halves saved intact
+    (`find_paired_resume`); the checkpoints past it are set aside (renamed, kept, logged): the newer half's of
+    a stop between the saves as `step-N.unpaired`, damaged ones as `step-N.damaged`; the run writes those
+    steps again. With no such step (a stop between the first two saves) it starts over from step 0.
+    """
 
     def __init__(self, ar: Checkpointer, dit: Checkpointer):
         self.halves = (ar, dit)
@@ -78,21 +95,34 @@ class BothCheckpoints:
     def save(self, step: int, at_once: bool = True) -> None:
         for half in self.halves:
             half.save(step, at_once)
+        self._prune()
 
     def finish_pending(self) -> None:
         for half in self.halves:
             half.finish_pending()
+        self._prune()
+
+    def _prune(self) -> None:
+        for half in self.halves:
+            half.prune()
 
     def resume(self) -> int:
-        steps = [half.resume() for half in self.halves]
-        if steps[0] != steps[1]:
-            ar, dit = (half.output_dir / "checkpoints" for half in self.halves)
-            raise CheckpointError(
-                f"the AR half's newest checkpoint is of step {steps[0]} ({ar}), the DiT half's of step "
-                f"{steps[1]} ({dit}): the run stopped between the two saves. Move the newer one out of its "
-                "checkpoints/ folder and resume again (trainer.resume=latest)."
-            )
-        return steps[0]
+        if not self.halves[0].cfg.trainer.resume:
+            return 0
+        step = agreed(self._resume_step, self.halves[0].is_main)
+        if step:
+            for half in self.halves:
+                half.load(checkpoint_dir(half.output_dir, step))
+        return step
+
+    def _resume_step(self) -> int:
+        """Rank 0: the newest step both halves saved intact, the checkpoints past it set aside."""
+        step, passed = find_paired_resume([half.output_dir for half in self.halves])
+        for checkpoint, why in passed:
+            set_aside(checkpoint, why)
+        if step == 0:
+            logger.warning("no step has a checkpoint of both halves: the run starts over from step 0")
+        return step
 
 
 class JointEvaluation:
@@ -156,11 +186,10 @@ class JointTrainer(Trainer):
         self.policies = {"ar_": ar.policy, "dit_": dit.policy}
         self.algorithm = JointAlgorithm(self.cfg, ar, dit, self.priors, (ar_in.rewards, dit_in.rewards))
         self.monitor = ImageMonitor(dit_in.cfg, "dit_reward_mean")
+        checkpointer = functools.partial(Checkpointer, rank=self.rank, is_main=self.is_main, prunes=False)
         self.checkpoints = BothCheckpoints(
-            Checkpointer(ar_in.cfg, self.output_dir / "ar", ar.policy, [ar], self.rank, self.is_main),
-            Checkpointer(
-                dit_in.cfg, self.output_dir / "dit", dit.policy, [dit, self.monitor], self.rank, self.is_main
-            ),
+            checkpointer(ar_in.cfg, self.output_dir / "ar", ar.policy, [ar]),
+            checkpointer(dit_in.cfg, self.output_dir / "dit", dit.policy, [dit, self.monitor]),
         )
         self._resume_and_track()
         evaluation = Evaluation(
@@ -178,7 +207,9 @@ class JointTrainer(Trainer):
                 cfg, component, self.accelerator, parallel, self.placement_context, pipeline=pipeline
             )
             pipeline = policy.wrapper  # the DiT's policy shares the pipeline the AR's loaded
-            collector = Collector(cfg, inputs.prompts, inputs.rewards, self.rank, self.world_size)
+            collector = Collector(
+                cfg, inputs.prompts, inputs.rewards, self.rank, self.world_size, SEED_STREAMS[component]
+            )
             updates = UpdateLoop(policy, cfg.algo.num_inner_epochs, cfg.algo.num_mini_batches)
             priors = self.priors if component == "dit" else None
             built.append(algorithm_of(cfg).algorithm_class()(cfg, Parts(policy, updates, collector, priors)))
