@@ -48,6 +48,7 @@ from glm_training.config import (
 )
 from glm_training.distributed.strategies import STRATEGIES
 from glm_training.engine.advantages import ADVANTAGE_FNS
+from glm_training.engine.ema import EMA_CALL_FNS
 from glm_training.metrics import read_metrics
 from glm_training.pipeline.ar import DECODING_PATHS
 from glm_training.pipeline.dit import predict_velocity
@@ -60,6 +61,7 @@ from glm_training.rewards.combine import COMBINE_FNS
         (options.SCALE_REWARDS, ADVANTAGE_FNS),
         (options.REWARD_COMBINES, COMBINE_FNS),
         (options.STRATEGIES, STRATEGIES),
+        (options.EMA_CALLS, EMA_CALL_FNS),
         (flow_grpo_config.SDE_TYPES, SDE_STEPS),
         (flow_grpo_config.CPS_LOG_PROBS, LOG_PROBS),
         (flow_grpo_config.SDE_WINDOW_SCHEDULES, WINDOW_STARTS),

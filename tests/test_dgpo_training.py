@@ -6,7 +6,9 @@ the algorithm cannot do, naming the key; DGPO lives in its folder."""
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -54,12 +56,22 @@ def _trainer(tmp_path, *extra: str):
     return DiTTrainer(load_config(args, "t2i_training"))
 
 
-def test_one_update_has_the_gradient_of_the_authors_loss(tmp_path):
+@pytest.mark.parametrize("kl_cfg", [1.0, 4.5])
+def test_one_update_has_the_gradient_of_the_authors_loss(tmp_path, kl_cfg):
     """The algorithm's backward passes (micro-batches of 2, group sums from its no-grad pass over every
     micro-batch, shared noise and times) against `reference_step` (the authors' loss, transcribed in
     test_dgpo.py) on the whole batch as one micro-batch, at the same times and noise, plus beta times the KL.
-    The policy, the base model and the EMA reference all differ, so the weights, the clip and the KL act."""
-    trainer = _trainer(tmp_path, "sampling.micro_batch_size=2", "algo.beta=0.5", "algo.clip_range=2e-3")
+    The policy, the base model and the EMA reference all differ, so the weights, the clip and the KL act.
+    With `algo.kl_cfg` > 1 the base velocity of the KL and the group sums is the authors' `ref_old_v =
+    predict_v(..., cfg=True, cfg_scale=kl_cfg)`: guided, its unconditional pass on the pipeline's negative
+    prompt, though the rollout samples without CFG (their config/dgpo_wocfg.py)."""
+    trainer = _trainer(
+        tmp_path,
+        "sampling.micro_batch_size=2",
+        "algo.beta=0.5",
+        "algo.clip_range=2e-3",
+        f"algo.kl_cfg={kl_cfg}",
+    )
     algo = trainer.algorithm
     assert isinstance(algo, DGPO)
     params = [p for p in trainer.policy.trainable.parameters() if p.requires_grad]
@@ -92,6 +104,14 @@ def test_one_update_has_the_gradient_of_the_authors_loss(tmp_path):
 
     x0 = torch.cat([c.final_latents for c in rollout.samples])
     cond = [c.cond for c in rollout.samples]
+    assert all(c.negative_embeds is None for c in cond)  # sampled at guidance 1: no CFG inputs kept
+    if kl_cfg > 1:  # the pipeline's own unconditional inputs: the negative prompt "" for every sample
+        pipe = trainer.policy.wrapper.pipeline
+        with torch.no_grad():
+            _, negative = pipe.encode_prompt(
+                ["x"] * x0.shape[0], True, device=x0.device, dtype=cond[0].prompt_embeds.dtype
+            )
+        cond = [replace(c, negative_embeds=negative[algo._rows(rollout, m)]) for m, c in enumerate(cond)]
     model = trainer.policy.model
     total = 0.0
     for time in times:
@@ -103,7 +123,8 @@ def test_one_update_has_the_gradient_of_the_authors_loss(tmp_path):
             rows = algo._rows(rollout, m)
             velocities["model"].append(predict_velocity(model, x_t[rows], timestep[rows], c, 1.0).float())
             with torch.no_grad(), trainer.policy.reference_model() as base:
-                velocities["base"].append(predict_velocity(base, x_t[rows], timestep[rows], c, 1.0).float())
+                guided = predict_velocity(base, x_t[rows], timestep[rows], c, kl_cfg)  # u + g (c - u)
+                velocities["base"].append(guided.float())
             with torch.no_grad(), algo.ema_ref.module() as old:
                 velocities["old"].append(predict_velocity(old, x_t[rows], timestep[rows], c, 1.0).float())
         v, v_base, v_old = (torch.cat(velocities[k]) for k in ("model", "base", "old"))
@@ -126,6 +147,27 @@ def test_one_update_has_the_gradient_of_the_authors_loss(tmp_path):
     for g_ours, g_ref in zip(ours, expected):
         torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-7)
     assert any(f > 0 for f in clipped) and any(f < 1 for f in clipped), clipped
+
+
+def test_a_step_skipped_as_non_finite_does_not_count_for_the_ema_reference(tmp_path):
+    """The authors move the EMA reference after each optimizer step with decay min(0.3, 0.001 k), k the steps
+    before it. A step skipped as non-finite (a NaN loss, `Policy.optimizer_step`) neither moves it nor counts:
+    the next step is still k = 0."""
+    trainer = _trainer(tmp_path)
+    algo, policy = trainer.algorithm, trainer.policy
+    batch = trainer.collect(0)
+    before = {n: w.clone() for n, w in algo.ema_ref.weights.items()}
+    leaf = [m for m in policy.trainable.modules() if isinstance(m, torch.nn.Linear)][-1]
+    hook = leaf.register_forward_hook(lambda m, i, out: out * math.nan)
+    try:
+        skipped = algo.update(batch, 0)
+    finally:
+        hook.remove()
+    assert policy.num_skipped_nonfinite == 1 and algo.optimizer_steps() == 0
+    assert skipped["ref_decay"] == 1.0  # no move
+    assert all(torch.equal(before[n], w) for n, w in algo.ema_ref.weights.items())
+    decays = [algo.update(batch, step)["ref_decay"] for step in (1, 2)]
+    assert decays == pytest.approx([0.0, 0.001]) and algo.optimizer_steps() == 2
 
 
 def test_dgpo_with_its_kl_and_ema_reference_sampling_resumes_bit_exact(tmp_path):
@@ -164,6 +206,7 @@ def test_dgpo_with_its_kl_and_ema_reference_sampling_resumes_bit_exact(tmp_path)
         ("algo.dpo_reference=old", "algo.dpo_reference"),
         ("data.num_generations=1", "data.num_generations"),
         ("algo.beta_dpo=0", "algo.beta_dpo"),
+        ("algo.kl_cfg=0.5", "algo.kl_cfg"),
     ],
 )
 def test_the_config_refuses_what_dgpo_cannot_do_naming_the_key(override, key):

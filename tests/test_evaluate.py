@@ -26,7 +26,7 @@ def dit_run(tmp_path_factory) -> Path:
     small = [a for a in SMALL if not a.startswith("eval.every_n_steps")]
     args = [*small, *EVAL, "trainer.num_steps=2", "eval.every_n_steps=2", f"trainer.output_dir={out}"]
     # An EMA update at each of the two steps (Flow-GRPO's own updates every 8th step).
-    ema = ["algo.ema=true", "algo.ema_update_interval=1", "algo.ema_every_micro_batch=false"]
+    ema = ["algo.ema=true", "algo.ema_update_interval=1", "algo.ema_calls=per_optimizer_step"]
     args += [*ema, "eval.watch_rewards=[jpeg_incompressibility]"]
     assert run(DiTTrainer, "t2i_training", args) == 0
     return out

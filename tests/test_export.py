@@ -56,7 +56,7 @@ def _train(tmp_path_factory, name: str, trainer_cls, config: str, args: list[str
 def dit_lora_run(tmp_path_factory, tiny_model_dir) -> Path:
     # Two steps, a checkpoint after each: the EMA after step 2 mixes both steps' weights.
     extra = ["trainer.num_steps=2", "trainer.save_every=1", "algo.ema=true", "algo.ema_decay=0.9"]
-    extra += ["algo.ema_update_interval=1", "algo.ema_every_micro_batch=false"]
+    extra += ["algo.ema_update_interval=1", "algo.ema_calls=per_optimizer_step"]
     return _train(tmp_path_factory, "dit_lora", DiTTrainer, "t2i_training", [*DIT_SMALL, *LORA, *extra])
 
 

@@ -58,6 +58,9 @@ _REFUSED_FLAGS = {flag: why for flags, why in _REFUSED.items() for flag in flags
 RECIPE_DIR = CONFIG_DIR / "recipes"
 # hydra.<key> overrides that mean something here, as the config key they set.
 HYDRA_KEYS = {"hydra.run.dir": "trainer.output_dir"}
+# Keys that saved configs of every algorithm may hold but no run config has now (dropped when one loads):
+# `algo.ema_every_micro_batch`, which `algo.ema_calls` replaced.
+RETIRED_KEYS = ("algo.ema_every_micro_batch",)
 
 
 def parse_command_line(argv: list[str], default_config: str) -> CommandLine:
@@ -301,7 +304,7 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Any
         )
     saved = OmegaConf.load(path)
     algorithm = algorithm_of(saved)
-    for key in algorithm.retired_keys:
+    for key in (*RETIRED_KEYS, *algorithm.retired_keys):
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(saved, parent) if parent else saved
         if node is not None and leaf in node:

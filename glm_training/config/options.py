@@ -71,4 +71,5 @@ DEVICE_MAPS = ("auto", "balanced", "cpu", "cuda")
 SCALE_REWARDS = ("group", "batch", "none")  # engine/advantages.py ADVANTAGE_FNS
 REWARD_COMBINES = ("weighted_sum", "normalized_sum")  # rewards/combine.py COMBINE_FNS
 STRATEGIES = ("ddp", "fsdp")  # distributed/strategies.py STRATEGIES
+EMA_CALLS = ("per_train_batch", "per_optimizer_step", "per_rollout")  # engine/ema.py EMA_CALL_FNS
 CHECKPOINT_FORMATS = ("gathered", "sharded")

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glm_training.config.model import ModelConfig
-from glm_training.config.options import RUN_NAME_HELP, SCALE_REWARDS, _check, _check_choice, option
+from glm_training.config.options import (
+    EMA_CALLS,
+    RUN_NAME_HELP,
+    SCALE_REWARDS,
+    _check,
+    _check_choice,
+    option,
+)
 from glm_training.config.schema import (
     DataConfig,
     EvalConfig,
@@ -52,10 +59,17 @@ class AlgoConfig:
     ema_update_interval: int = option(
         1, "the EMA updates on the optimizer steps s with (s + 1) % ema_update_interval == 0 (Flow-GRPO: 8)"
     )
-    ema_every_micro_batch: bool = option(
-        False,
-        "the EMA update acts once per micro-batch of its optimizer step, as Flow-GRPO's train_sd3.py calls "
-        "it (false: once per optimizer step, as DiffusionNFT and AWM)",
+    ema_calls: str = option(
+        "per_optimizer_step",
+        "how often the EMA is called, as each reference calls it (engine/ema.py): per_train_batch = once per "
+        "training batch of ema_train_batch_size of a rank's samples (Flow-GRPO's train_sd3.py) | "
+        "per_optimizer_step = after every optimizer step (DiffusionNFT) | per_rollout = after a rollout's "
+        "last optimizer step (AWM); never a function of sampling.micro_batch_size",
+    )
+    ema_train_batch_size: int = option(
+        1,
+        "per_train_batch: a rank's samples per EMA call, the reference's sample.train_batch_size (Flow-GRPO: "
+        "9)",
     )
 
     def __post_init__(self) -> None:
@@ -69,6 +83,8 @@ class AlgoConfig:
         _check(self.num_mini_batches >= 1, "algo.num_mini_batches", "must be >= 1.")
         _check(0 <= self.ema_decay < 1, "algo.ema_decay", "must be in [0, 1).")
         _check(self.ema_update_interval >= 1, "algo.ema_update_interval", "must be >= 1.")
+        _check_choice(self.ema_calls, EMA_CALLS, "algo.ema_calls")
+        _check(self.ema_train_batch_size >= 1, "algo.ema_train_batch_size", "must be >= 1.")
 
     def uses_reference(self) -> bool:
         """Whether the update calls the base model (`Policy.reference_model`): a full fine-tune then keeps a

@@ -208,7 +208,7 @@ class Policy:
             return None, None
         from diffusers.training_utils import EMAModel
 
-        schedule = EMASchedule(a.ema_decay, a.ema_update_interval, a.ema_every_micro_batch)
+        schedule = EMASchedule(a.ema_decay, a.ema_update_interval, a.ema_calls, a.ema_train_batch_size)
         return EMAModel(self.trained_parameters(), decay=a.ema_decay), schedule
 
     def _build_optimizer(self):
@@ -257,9 +257,17 @@ class Policy:
         ):
             yield self.reference
 
-    def optimizer_step(self, num_micro_batches: int = 1) -> float:
-        """Clip, step, schedule, zero, and the EMA's updates around the step (`engine/ema.py`; the step took
-        `num_micro_batches` micro-batches); returns the pre-clip gradient norm.
+    def ema_calls(self, num_samples: int | None, num_steps: int, num_passes: int) -> list[int]:
+        """The evaluation EMA's calls at each optimizer step of an update of `num_passes` passes of
+        `num_steps` steps over this rank's `num_samples` samples, as the reference counts them
+        (`engine/ema.py`, `algo.ema_calls`); all 0 without an EMA."""
+        if self.ema is None:
+            return [0] * (num_steps * num_passes)
+        return self.ema_schedule.calls(num_samples, num_steps, num_passes)
+
+    def optimizer_step(self, num_ema_calls: int = 1) -> float:
+        """Clip, step, schedule, zero, and the step's `num_ema_calls` calls of the EMA around it
+        (`engine/ema.py`, `ema_calls`); returns the pre-clip gradient norm.
 
         A non-finite norm (a NaN/inf loss or an overflow) makes no update: no optimizer, LR schedule or EMA
         step (see `guards.py`). Under DDP the norm comes from all-reduced gradients: every rank agrees.
@@ -276,13 +284,15 @@ class Policy:
         steps = self.lr_scheduler.last_epoch  # optimizer steps taken so far (checkpoints restore it)
         if self.ema is not None:
             self.ema_schedule.before_step(
-                self.ema.shadow_params, self.trained_parameters(), steps, num_micro_batches
+                self.ema.shadow_params, self.trained_parameters(), steps, num_ema_calls
             )
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema_schedule.after_step(self.ema.shadow_params, self.trained_parameters(), steps + 1)
+            self.ema_schedule.after_step(
+                self.ema.shadow_params, self.trained_parameters(), steps + 1, num_ema_calls
+            )
             self.ema.optimization_step = steps + 1
         return grad_norm
 

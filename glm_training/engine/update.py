@@ -3,7 +3,9 @@ passes with one gradient all-reduce per optimizer step.
 
 An algorithm hands `UpdateLoop.run` the number of its micro-batches and a function that yields, for the
 micro-batch indices of one mini-batch, the backward passes of its optimizer step (`MicroStep`s), each
-normalised so that their gradients sum to the gradient of the mini-batch's loss.
+normalised so that their gradients sum to the gradient of the mini-batch's loss; and the number of this
+rank's samples in the update, from which the evaluation EMA's calls per optimizer step are counted as the
+reference counts them (`engine/ema.py`), whatever the micro-batches.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class UpdateLoop:
     """`num_inner_epochs` passes over a rollout's micro-batches, each split into `num_mini_batches`
     interleaved mini-batches (`split_mini_batches`) of one optimizer step each. Every backward but the last of
     a mini-batch runs under the strategy's `no_sync` (DDP all-reduces once per optimizer step); then the
-    policy's `optimizer_step` clips, steps and zeroes. `last` holds the latest update's statistics."""
+    policy's `optimizer_step` clips, steps, zeroes and calls the EMA as often as `policy.ema_calls` says for
+    that step. `last` holds the latest update's statistics."""
 
     def __init__(self, policy: Any, num_inner_epochs: int, num_mini_batches: int):
         self.policy = policy
@@ -90,18 +93,23 @@ class UpdateLoop:
         num_micro_batches: int,
         micro_steps: Callable[[list[int]], Iterable[MicroStep]],
         stat_keys: tuple[str, ...] = LOSS_STATS,
+        *,
+        num_samples: int | None = None,
     ) -> UpdateStats:
+        """`num_samples`: this rank's samples in the update (the EMA's `per_train_batch` calls count them)."""
         policy = self.policy
         stats, mini_batches, grad_norms = StatMeans(stat_keys), [], []
+        minis = split_mini_batches(num_micro_batches, self.num_mini_batches)
+        ema_calls = iter(policy.ema_calls(num_samples, len(minis), self.num_inner_epochs))
         for _ in range(self.num_inner_epochs):
-            for mini in split_mini_batches(num_micro_batches, self.num_mini_batches):
+            for mini in minis:
                 mini_stats = StatMeans(stat_keys)
                 for backward, last in with_last(micro_steps(mini)):
                     with policy.parallel.no_sync(policy.model, last):
                         values = backward()
                     stats.add(values)
                     mini_stats.add(values)
-                grad_norms.append(policy.optimizer_step(len(mini)))
+                grad_norms.append(policy.optimizer_step(next(ema_calls)))
                 mini_batches.append(mini_stats.means())
         self.last = UpdateStats(stats.means(), mini_batches, grad_norms)
         return self.last

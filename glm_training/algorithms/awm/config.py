@@ -73,6 +73,10 @@ class AWMConfig(AlgoConfig):
     )
     ema: bool = option(True, "EMA of the policy for evaluation (the reference's train.ema, decay 0.99)")
     ema_decay: float = option(0.99, "decay of the evaluation EMA (algo.ema); not the KL anchor")
+    ema_calls: str = option(
+        "per_rollout",
+        "train_sd3_awm.py calls its evaluation EMA once per epoch (rollout), after its last optimizer step",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -132,4 +132,4 @@ def forward_update(
                     **({} if old is None else {"old_loss": old[j]}),
                 )
 
-    return updates.run(len(chunks), micro_steps, stat_names)
+    return updates.run(len(chunks), micro_steps, stat_names, num_samples=sum(sizes))

@@ -13,8 +13,10 @@ Follows the authors' `scripts/train_sd3_dgpo.py` (`Luo-Yihong/DGPO` at 01ceb4b):
   its members whichever rank or micro-batch holds them; then one backward per micro-batch of DGPO's loss
   (`losses.dgpo_loss`, weight `sigmoid(S_g)`, the error detached where the PPO-style clip against the EMA
   reference acts) plus `algo.beta` times the velocity KL to the base model, averaged over samples and times.
-- After the update the EMA reference moves towards the policy, decay `min(ref_decay, 0.001 k)` after k
-  earlier optimizer steps (`OldPolicy`, saved in every checkpoint).
+  The policy's velocity is CFG-free; the base model's is guided with `algo.kl_cfg` when it is above 1.
+- After the update's optimizer step the EMA reference moves towards the policy, decay
+  `min(ref_decay, 0.001 k)` after k earlier optimizer steps (`OldPolicy`, saved in every checkpoint); a step
+  skipped as non-finite is not counted and does not move it.
 
 The reference forms each group sum inside one training micro-batch across its ranks, which its configs fill
 with whole groups; the no-grad pass gives that sum for any layout of groups over micro-batches and ranks, at
@@ -26,7 +28,7 @@ after a resume.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,8 @@ from glm_training.algorithms.dgpo.losses import (
 from glm_training.distributed import collectives as dist
 from glm_training.engine.collect import Batch
 from glm_training.engine.parts import Parts
-from glm_training.pipeline.dit import predict_velocity
+from glm_training.models.placement import parse_dtype
+from glm_training.pipeline.dit import VELOCITY_FNS, encode_glyphs, predict_velocity
 
 EMA_REF_FILE = "dgpo_ema_ref.pt"
 DGPO_STATS = ("loss", "policy_loss", "matching_loss", "kl", "clip_frac", "group_weight")
@@ -89,6 +92,7 @@ class DGPO(Algorithm):
         # Starts equal to the policy (the reference's EMAModuleWrapper copies the adapter before training).
         p = self.policy
         self.ema_ref = OldPolicy(p.trainable, cfg.model.lora.enabled, EMA_REF_FILE, sharded=p.sharded)
+        self._empty_prompt_embeds: torch.Tensor | None = None  # [1, S0, D], encoded at first use
 
     def optimizer_steps(self) -> int:
         """Optimizer steps done (the scheduler's count, restored by checkpoints)."""
@@ -153,9 +157,16 @@ class DGPO(Algorithm):
                         self.loss_and_backward, held, rollout, advantages, step, time, m, denominator
                     )
 
-        update = self.updates.run(len(rollout.samples), micro_steps, DGPO_STATS)
-        decay = ref_decay(self.optimizer_steps() - update.num_optimizer_steps, a.ref_decay)
-        self.ema_ref.update(decay)
+        steps_before = self.optimizer_steps()
+        update = self.updates.run(
+            len(rollout.samples), micro_steps, DGPO_STATS, num_samples=advantages.numel()
+        )
+        # The reference moves after its optimizer step, at the count of the steps before it; a step skipped
+        # as non-finite (`Policy.optimizer_step`) is not counted and moves nothing (a decay of 1).
+        decay = 1.0
+        if self.optimizer_steps() > steps_before:
+            decay = ref_decay(steps_before, a.ref_decay)
+            self.ema_ref.update(decay)
         out = dict(update.means)
         out["ref_decay"] = decay
         out["sampled_by_ema_ref"] = float(rollout.from_ema_ref)
@@ -194,7 +205,7 @@ class DGPO(Algorithm):
                 v_base = old_loss = None
                 if a.beta > 0 or a.dpo_reference == "base":
                     with policy.reference_model() as base:
-                        v_base = predict_velocity(base, x_t, timestep, cond, 1.0).float()
+                        v_base = self.base_velocity(base, x_t, timestep, cond)
                 if use_old:
                     with self.ema_ref.module() as old:
                         old_loss = matching_loss(
@@ -210,6 +221,22 @@ class DGPO(Algorithm):
             held.v_base.append(v_base if a.beta > 0 else None)
         held.sums = dist.all_reduce(local)
         return held
+
+    def base_velocity(self, base, x_t, timestep, cond) -> torch.Tensor:
+        """The base model's velocity that the KL and the group sums (`dpo_reference=base`) compare with:
+        CFG-free, or guided with scale `algo.kl_cfg` > 1 (the reference's `predict_v(..., cfg=True,
+        cfg_scale=kl_cfg)`), its unconditional pass on the empty prompt with the prior tokens dropped, as the
+        pipeline's."""
+        a = self.cfg.algo
+        if a.kl_cfg <= 1:
+            return predict_velocity(base, x_t, timestep, cond, 1.0).float()
+        if self._empty_prompt_embeds is None:  # the pipeline's negative prompt "", the same for every sample
+            dtype = parse_dtype(self.cfg.model.dtype)
+            pipe = self.policy.wrapper.pipeline
+            self._empty_prompt_embeds, _ = encode_glyphs(pipe, [""], 1.0, self.device, dtype)
+        negative = self._empty_prompt_embeds.expand(x_t.shape[0], -1, -1)
+        guided = replace(cond, negative_embeds=negative)
+        return VELOCITY_FNS[self.cfg.sampling.batched_cfg](base, x_t, timestep, guided, a.kl_cfg).float()
 
     def loss_and_backward(
         self,

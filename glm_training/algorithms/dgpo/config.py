@@ -68,14 +68,27 @@ class DGPOConfig(AlgoConfig):
         "the model whose errors the group sums subtract: base (the reference's default) | ema_ref (its "
         "use_ema_ref, the dynamic reference of TDM-R1)",
     )
+    kl_cfg: float = option(
+        1.0,
+        "CFG scale of the base model's velocity in the KL and the group sums (the reference's kl_cfg; 1 = "
+        "CFG-free, config/dgpo.py; 4.5 in config/dgpo_wocfg.py, its fully CFG-free mode with a guided "
+        "reference, sampling.guidance_scale=1); the policy's velocity is always CFG-free",
+    )
     scale_rewards: str = option("batch", "the reference's per-prompt mean with the global std (global_std)")
     ema: bool = option(True, "EMA of the policy for evaluation (the reference's train.ema)")
     ema_decay: float = option(0.9, "the reference's EMAModuleWrapper(decay=0.9, update_step_interval=8)")
     ema_update_interval: int = option(
         8, "the evaluation EMA updates every 8th optimizer step (the reference)"
     )
-    ema_every_micro_batch: bool = option(
-        True, "the evaluation EMA acts once per micro-batch, as the reference's training loop calls it"
+    ema_calls: str = option(
+        "per_train_batch",
+        "the reference calls its evaluation EMA once per training batch (train_sd3_dgpo.py's loop over "
+        "samples_batched, as Flow-GRPO's)",
+    )
+    ema_train_batch_size: int = option(
+        16,
+        "a rank's samples per evaluation-EMA call: the reference's sample.train_batch_size (8 * 2 for OCR "
+        "and GenEval, 12 for PickScore), whatever sampling.micro_batch_size",
     )
 
     def __post_init__(self) -> None:
@@ -91,6 +104,7 @@ class DGPOConfig(AlgoConfig):
         )
         _check(self.clip_range > 0, "algo.clip_range", "must be > 0.")
         _check(0 <= self.ref_decay < 1, "algo.ref_decay", "must be in [0, 1).")
+        _check(self.kl_cfg >= 1, "algo.kl_cfg", "must be >= 1 (1 = a CFG-free base velocity).")
         _check(self.switch_ema_ref >= -1, "algo.switch_ema_ref", "must be >= 0, or -1 for never.")
         _check_choice(self.dpo_reference, DPO_REFERENCES, "algo.dpo_reference")
         for key in ("num_inner_epochs", "num_mini_batches"):

@@ -147,7 +147,7 @@ class FlowGRPO(Algorithm):
                         len(train_steps),
                     )
 
-        update = self.updates.run(len(sizes), micro_steps)
+        update = self.updates.run(len(sizes), micro_steps, num_samples=sum(sizes))
         out = dict(update.means)
         out["grad_norm"] = update.grad_norm
         out["num_optimizer_steps"] = float(update.num_optimizer_steps)

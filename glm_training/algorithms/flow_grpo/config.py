@@ -169,10 +169,15 @@ class FlowGRPOConfig(AlgoConfig):
     ema_update_interval: int = option(
         8, "the EMA updates every 8th optimizer step: train_sd3.py's EMAModuleWrapper(update_step_interval=8)"
     )
-    ema_every_micro_batch: bool = option(
-        True,
-        "train_sd3.py calls the EMA after every micro-batch, so an update acts once per micro-batch of its "
-        "step (with decay 0.9: about 0.974 a step on its 32-GPU configs, 2 micro-batches a step)",
+    ema_calls: str = option(
+        "per_train_batch",
+        "train_sd3.py calls the EMA once per training batch (its loop over samples_batched), so an update "
+        "acts once per training batch of its step",
+    )
+    ema_train_batch_size: int = option(
+        9,
+        "a rank's samples per EMA call: Flow-GRPO's sample.train_batch_size (9 in its SD3.5-M configs, 8 in "
+        "the *_4gpu ones), whatever sampling.micro_batch_size (its 32-GPU configs: 2 calls a step)",
     )
 
     def __post_init__(self) -> None:

@@ -213,7 +213,7 @@ class GRPO(Algorithm):
                     self.loss_and_backward, micro[m], old[m], reference, adv, weights[pos]
                 )
 
-        update = self.updates.run(len(micro), micro_steps)
+        update = self.updates.run(len(micro), micro_steps, num_samples=len(records))
         out = dict(update.means)
         out["grad_norm"] = update.grad_norm
         out["sampling_logp_max_diff"] = diff

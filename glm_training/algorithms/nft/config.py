@@ -58,6 +58,9 @@ class NFTConfig(AlgoConfig):
         "EMA of the policy for evaluation (the reference's `train.ema`, decay 0.9); not the old model.",
     )
     ema_decay: float = option(0.9, "decay of the evaluation EMA (algo.ema)")
+    ema_calls: str = option(
+        "per_optimizer_step", "train_nft_sd3.py calls its evaluation EMA after every optimizer step"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
