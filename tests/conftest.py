@@ -11,6 +11,30 @@ from pathlib import Path
 
 import pytest
 
+# One set of floats on every x86-64 CPU: torch's, MKL's and oneDNN's kernels capped at AVX2, MKL's
+# conditional numerical reproducibility on its AVX2 code path, one OpenMP thread. CPUs otherwise round
+# differently from the first step (AVX-512 vector widths, MKL's and oneDNN's per-CPU code paths, SDPA through
+# MKL), and a learning margin measured on one CPU is another seed on the next. Under these variables an
+# AVX-512 or AMX machine computes what an AVX2-only AMD EPYC computes (`../shared/numerics/fingerprint.py`'s
+# hashes), and bf16 runs the emulated way on every CPU (`environment.cpu_has_native_bf16` honours the oneDNN
+# cap). They are read when torch loads its kernels, so they are set before torch is imported, and every
+# process the tests start inherits them. The product itself never sets them. `GLM_TRAINING_NATIVE_NUMERICS=1`
+# runs the tests on the CPU's own kernels instead (the learning margins were measured under the pin).
+PINNED_NUMERICS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OMP_NUM_THREADS": "1",
+}
+if os.environ.get("GLM_TRAINING_NATIVE_NUMERICS") != "1":
+    if "torch" in sys.modules and any(os.environ.get(k) != v for k, v in PINNED_NUMERICS.items()):
+        raise RuntimeError(
+            "torch was imported before tests/conftest.py could pin the numerics (a pytest plugin?); set "
+            + " ".join(f"{k}={v}" for k, v in PINNED_NUMERICS.items())
+            + " in the environment, or GLM_TRAINING_NATIVE_NUMERICS=1 to run on the CPU's own kernels."
+        )
+    os.environ.update(PINNED_NUMERICS)
+
 # An accidental download fails at once instead of hanging.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -121,6 +145,12 @@ def pytest_report_header(config) -> list[str]:
     return [
         f"cpu: {environment.cpu_model()}, {os.cpu_count()} cores, {bf16}, torch {torch.__version__}",
         f"packages: {environment.lock_summary()}",
+        "numerics: "
+        + (
+            "the CPU's own kernels (GLM_TRAINING_NATIVE_NUMERICS=1)"
+            if os.environ.get("GLM_TRAINING_NATIVE_NUMERICS") == "1"
+            else "pinned, " + " ".join(f"{k}={v}" for k, v in PINNED_NUMERICS.items())
+        ),
     ]
 
 

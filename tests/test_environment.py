@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DIT_SMALL, PYTHON, REPO, run_cli
+from conftest import DIT_SMALL, PINNED_NUMERICS, PYTHON, REPO, run_cli
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -94,6 +95,30 @@ def test_setup_installs_from_the_lock():
     # The README's set-up: setup.sh passes the lock to pip as constraints and checks the result.
     text = (REPO / "setup.sh").read_text(encoding="utf-8")
     assert '-c "$LOCK"' in text and "glm_training.environment" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tests' pinned numerics (tests/conftest.py)
+
+PROBE = (
+    "import json, os, torch; from glm_training import environment; print(json.dumps({"
+    "'env': {k: os.environ.get(k) for k in %r}, 'capability': torch.backends.cpu.get_cpu_capability(), "
+    "'threads': torch.get_num_threads(), 'native_bf16': environment.cpu_has_native_bf16()}))"
+)
+
+
+@pytest.mark.skipif(
+    os.environ.get("GLM_TRAINING_NATIVE_NUMERICS") == "1", reason="the CPU's own kernels, asked for"
+)
+def test_the_tests_and_the_processes_they_start_compute_with_the_pinned_kernels():
+    # torch's kernels at AVX2 whatever the CPU has, here and in a process the tests start (they inherit the
+    # variables), one thread, and no native bf16 on any CPU: the oneDNN cap takes it away, and the project's
+    # detection agrees, so the bf16 tests take one path everywhere.
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    result = run_cli([PYTHON, "-c", PROBE % (tuple(PINNED_NUMERICS),)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe == {"env": PINNED_NUMERICS, "capability": "AVX2", "threads": 1, "native_bf16": False}
 
 
 # ---------------------------------------------------------------------------------------------------------
