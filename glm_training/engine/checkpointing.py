@@ -54,14 +54,17 @@ def resolve_output_dir(cfg: Any, is_main: bool, halves: tuple[str, ...] = ("",))
 
 
 def agreed(decide: Callable[[], T], is_main: bool) -> T:
-    """Collective: rank 0's `decide()` on every rank, or the `CheckpointError` it raised raised on every rank,
-    so that no rank waits in a collective for one that failed."""
+    """Collective: rank 0's `decide()` on every rank, or its error raised on every rank as a `CheckpointError`
+    (a refusal, or a file it could not read or rename), so that no rank waits in a collective for one that
+    failed."""
     choice: tuple[T | None, str] = (None, "")
     if is_main:
         try:
             choice = (decide(), "")
         except CheckpointError as err:
             choice = (None, str(err))
+        except (OSError, ValueError, KeyError) as err:  # e.g. an unreadable trainer_state.json
+            choice = (None, f"trainer.resume: reading the checkpoints failed: {type(err).__name__}: {err}")
     value, error = dist.broadcast_object(choice)
     if error:
         raise CheckpointError(error)

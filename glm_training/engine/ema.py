@@ -55,7 +55,10 @@ def per_train_batch(
     A pass over a rank's `num_samples` samples holds `num_samples // train_batch_size` training batches (the
     reference's `num_batches_per_epoch`), dealt to the pass's `num_steps` optimizer steps as the update loop
     deals micro-batches (interleaved), and at least one per step, as every step of the reference takes one.
-    E.g. 144 samples, batches of 9, 2 steps: 16 batches, [8, 8] per pass.
+    E.g. 144 samples, batches of 9, 2 steps: 16 batches, [8, 8] per pass. Where the batches do not split
+    evenly over the steps, or the samples into batches (layouts Flow-GRPO's config refuses: its
+    `num_batches_per_epoch` must be even), the steps take them as evenly as they go (145 or 153 samples: [8,
+    8] and [9, 8]) and a partial batch is not counted.
     """
     if num_samples is None:
         raise ValueError(
