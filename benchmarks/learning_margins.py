@@ -78,7 +78,7 @@ CASES: dict[str, tuple[str, str, list[str], list[tuple[str, str, int]]]] = {
 RUNNER = "import sys; from glm_training.cli import run; sys.exit(run(sys.argv[1], sys.argv[2], sys.argv[3:]))"
 
 
-def figures(out: Path, wanted: list[tuple[str, str, int]]) -> dict[str, float]:
+def figures(out: Path, wanted: list[tuple[str, str, int]]) -> dict[str, float | dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = sorted(
         (int(p.stem), json.loads(p.read_text())["reward_mean"]) for p in (out / "eval").glob("*.json")
@@ -90,10 +90,11 @@ def figures(out: Path, wanted: list[tuple[str, str, int]]) -> dict[str, float]:
             result[name] = sum(values[-k:]) / k - sum(values[:k]) / k
         else:
             result[name] = evals[-1][1] - evals[0][1]
+    result["evals"] = {step: round(value, 4) for step, value in evals}
     return result
 
 
-def measure(case: str, seed: int, extra: list[str]) -> dict[str, float]:
+def measure(case: str, seed: int, extra: list[str]) -> dict[str, float | dict]:
     trainer, config, overrides, wanted = CASES[case]
     keys = {e.split("=", 1)[0] for e in extra}
     overrides = [o for o in overrides if o.split("=", 1)[0] not in keys] + extra
@@ -123,10 +124,8 @@ def main() -> None:
     jobs = [(case, seed) for case in args.cases for seed in args.seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
         for (case, seed), result in zip(jobs, pool.map(lambda job: measure(*job, args.set), jobs)):
-            print(
-                json.dumps({"case": case, "seed": seed, **{k: round(v, 4) for k, v in result.items()}}),
-                flush=True,
-            )
+            rounded = {k: v if isinstance(v, dict) else round(v, 4) for k, v in result.items()}
+            print(json.dumps({"case": case, "seed": seed, **rounded}), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ def test_default_awm_run_learns(tmp_path):
     assert "clip_frac" not in rows[0] and "r_mean" not in rows[0]  # the other trainers' statistics
     rewards = np.array([r["reward_mean"] for r in rows])
     first, last = rewards[:4].mean(), rewards[-4:].mean()
-    # Per-step noise of the mean reward is ~0.02-0.04; measured: +0.56 (training), +0.54 (held out).
+    # Per-step noise of the mean reward is ~0.02-0.04. Measured in 12 steps, trainer.seed 0-4 under the pinned
+    # numerics (benchmarks/learning_margins.py awm): +0.35, +0.34, +0.59, +0.065, +0.53 (training); +0.33,
+    # +0.38, +0.61, +0.070, +0.40 (held out). Seed 3 clears neither bar: this run's signal is too weak for
+    # five seeds.
     assert last - first > 0.1, rewards.round(3).tolist()
     evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
     assert sorted(evals) == [0, 12]

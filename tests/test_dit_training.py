@@ -42,7 +42,10 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     assert METRIC_KEYS <= set(rows[0])
     rewards = np.array([r["reward_mean"] for r in rows])
     first, last = rewards[:10].mean(), rewards[-10:].mean()
-    # Per-step noise of the mean reward is ~0.03; the default run gains ~0.3-0.4 (docs/benchmarks.md).
+    # Per-step noise of the mean reward is ~0.03. Measured, trainer.seed 0-4 under the pinned numerics
+    # (benchmarks/learning_margins.py dit): +0.155, +0.691, +0.204, +0.302, +0.085. Seed 4 clears neither this
+    # bar nor the held-out one below, and seed 0 this one by 0.005: the default's signal is too weak for five
+    # seeds (lr 2e-2 moves the weak seed, not the spread: +0.29, +0.31, +0.57, +0.57, +0.042).
     assert last - first > 0.15, rewards.round(3).tolist()
     assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "config.yaml").is_file()
 
@@ -50,8 +53,12 @@ def test_default_run_completes_and_the_reward_rises(tmp_path):
     evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
     assert sorted(evals) == [0, 20, 40, 60]
     assert all((tmp_path / "eval" / f"{s:06d}.png").is_file() for s in evals)
-    before, after = evals[0]["reward_mean"], evals[60]["reward_mean"]
-    assert after - before > 0.1, {s: e["reward_mean"] for s, e in evals.items()}  # measured: +0.38
+    # The mean of the three evaluations after training began against the one before: a single evaluation of
+    # the 8 held-out prompts swings by up to 0.15 between checkpoints (seed 0: -3.73, -3.63, -3.77 at 20, 40,
+    # 60). Measured (seeds 0-4, pinned): +0.158, +0.479, +0.322, +0.295, +0.048.
+    before = evals[0]["reward_mean"]
+    after = np.mean([evals[s]["reward_mean"] for s in (20, 40, 60)])
+    assert after - before > 0.1, {s: e["reward_mean"] for s, e in evals.items()}
     assert rows[19]["eval/reward_mean"] == pytest.approx(evals[20]["reward_mean"])
     # The reward-hacking monitors (on by default): each step's image statistics and their change from step 1,
     # and the evaluations' with theirs from the step-0 evaluation.

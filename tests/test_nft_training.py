@@ -31,7 +31,10 @@ def test_default_nft_run_learns(tmp_path):
     assert "clip_frac" not in rows[0]  # Flow-GRPO's statistics belong to the other trainer
     rewards = np.array([r["reward_mean"] for r in rows])
     first, last = rewards[:5].mean(), rewards[-5:].mean()
-    # Per-step noise of the mean reward is ~0.02-0.04; measured: -3.949 -> -3.806 (docs/benchmarks.md).
+    # Per-step noise of the mean reward is ~0.02-0.04. Measured in 20 steps, trainer.seed 0-4 under the pinned
+    # numerics (benchmarks/learning_margins.py nft): +0.157, +0.129, +0.132, +0.261, +0.045 (training);
+    # +0.177, +0.169, +0.095, +0.199, -0.079 (held out). Seed 4 clears neither bar: this run's signal is too
+    # weak for five seeds.
     assert last - first > 0.06, rewards.round(3).tolist()
     evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
     assert sorted(evals) == [0, 10, 20]

@@ -89,11 +89,14 @@ def test_the_decoupled_recipe_runs_end_to_end(tmp_path):
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     assert "[load] vision_language_encoder: not loaded" in result.stderr  # the DiT stage
 
+    # Neither stage is long enough for the direction of its held-out reward to mean anything, so each asserts
+    # that it evaluated twice and that what it samples changed. The AR stage's 6 steps move it by -0.18,
+    # +1.61, +0.72, +1.50, -0.14 (trainer.seed 0-4, pinned numerics: benchmarks/learning_margins.py
+    # recipe_ar; at 10 steps still -0.35 on seed 4): the AR's learning is asserted where five seeds clear a
+    # bar, by test_ar_training.py's default run. The DiT stage's 8 steps on 32x32 images moved its reward by
+    # -0.02 to +0.02 over trainer.seed 0-3.
     ar = _eval_rewards(out / "ar")
-    assert len(ar) == 2 and ar[-1] > ar[0], ar  # deterministic evaluation: the AR stage learns its reward
-    # The DiT stage's 8 steps on 32x32 images move its held-out reward by less than the CPU's rounding does
-    # (the same run went -0.008 on one Xeon and up on another machine; over trainer.seed 0-3: -0.02 to +0.02),
-    # so its direction tests nothing: it evaluated twice, and what it decodes changed.
+    assert len(ar) == 2 and ar[-1] != ar[0], ar
     dit = _eval_rewards(out / "dit")
     assert len(dit) == 2 and dit[-1] != dit[0], dit
 
