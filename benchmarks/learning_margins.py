@@ -43,7 +43,7 @@ CASES: dict[str, tuple[str, str, list[str], list[tuple[str, str, int]]]] = {
     "joint": (
         "joint",
         "joint_training",
-        ["trainer.num_steps=20", "eval.every_n_steps=20"],
+        [],
         [("ar_train", "ar_reward_mean", 5), ("dit_train", "dit_reward_mean", 5), ("eval", "", 0)],
     ),
     "nft": ("dit", "nft_training", ["trainer.num_steps=20"], [("train", "reward_mean", 5), ("eval", "", 0)]),
