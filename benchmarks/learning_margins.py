@@ -50,7 +50,7 @@ CASES: dict[str, tuple[str, str, list[str], list[tuple[str, str, int]]]] = {
     "awm": (
         "dit",
         "awm_training",
-        ["trainer.num_steps=12", "eval.every_n_steps=12"],
+        ["trainer.num_steps=16", "eval.every_n_steps=16"],
         [("train", "reward_mean", 4), ("eval", "", 0)],
     ),
     "dgpo": (

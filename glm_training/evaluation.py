@@ -204,6 +204,27 @@ def _rank_work(
     return filled + [(list(range(length)), 0)] * (most - len(work))
 
 
+class FrozenPriors:
+    """The held-out prompts' prior tokens from an AR model that does not train (a DiT run's): each prompt's
+    are generated at its first evaluation, from its own seed as `sample_batch` would, and kept for the later
+    ones, which would generate the same tokens again. At GLM-Image's size that AR pass is most of an
+    evaluation's time."""
+
+    def __init__(self, pipeline, sampling: EvalSampling):
+        self.pipeline = pipeline
+        self.sampling = sampling
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def eval_tokens(self, texts: list[str]) -> torch.Tensor:
+        """[B, L] the tokens of `texts`, generated once per prompt."""
+        s = self.sampling
+        for text in texts:
+            if text not in self.kept:
+                seed = prompt_seed(s.seed, text)
+                self.kept[text] = generate_prior_tokens(self.pipeline, [text], s.height, s.width, seed=seed)
+        return torch.cat([self.kept[t] for t in texts])
+
+
 @torch.no_grad()
 def sample_batch(
     pipeline,

@@ -65,6 +65,34 @@ def test_standalone_evaluation_is_deterministic_and_matches_training(dit_run, tm
     assert _eval_numbers(dit_run / "eval" / "000000.json") != a
 
 
+def test_a_dit_runs_evaluation_writes_each_prompts_prior_tokens_once(tiny_model_dir):
+    """The AR model does not train in a DiT run, so its tokens for a held-out prompt are the same at every
+    evaluation: generated at the first, kept for the later ones (the run's later evaluations equal standalone
+    ones, which generate anew: the test above)."""
+    import torch
+    from diffusers import GlmImagePipeline
+
+    from glm_training.evaluation import EvalSampling, FrozenPriors
+    from glm_training.pipeline.dit import generate_prior_tokens, prompt_seed
+
+    pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
+    sampling = EvalSampling(height=32, width=32, num_inference_steps=2, guidance_scale=1.0, seed=7, batch_size=2)
+    priors, calls, generate = FrozenPriors(pipe, sampling), [], pipe.generate_prior_tokens
+
+    def counted(**kwargs):
+        calls.append(kwargs["prompt"])
+        return generate(**kwargs)
+
+    pipe.generate_prior_tokens = counted
+    first = priors.eval_tokens(["a cat", "a dog"])
+    later = priors.eval_tokens(["a dog", "a cat", "a cow"])
+    assert calls == [["a cat"], ["a dog"], ["a cow"]]  # one AR call per prompt, ever
+    assert torch.equal(later[:2], first.flip(0))
+    for text, tokens in zip(["a dog", "a cat", "a cow"], later):
+        alone = generate_prior_tokens(pipe, [text], 32, 32, seed=prompt_seed(7, text))
+        assert torch.equal(tokens, alone[0])  # what an evaluation without them samples
+
+
 def test_watched_reward_is_reported_apart_from_the_trained_one(dit_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -33,6 +33,7 @@ from glm_training.engine.policy import Policy
 from glm_training.engine.reporting import Evaluation, Progress
 from glm_training.engine.update import UpdateLoop
 from glm_training.environment import log_environment
+from glm_training.evaluation import FrozenPriors, eval_sampling
 from glm_training.guards import SkipCounter
 from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
@@ -104,8 +105,16 @@ class Trainer:
         )
         self._resume_and_track()
         self.evaluation = Evaluation(
-            cfg, self.inputs, self.policy, self.tracker, self.output_dir, self.priors
+            cfg, self.inputs, self.policy, self.tracker, self.output_dir, self._held_out_priors()
         )
+
+    def _held_out_priors(self) -> Any:
+        """Where the evaluation's prior tokens come from: the cache, else, in a DiT run (whose AR model never
+        trains), the AR model once per held-out prompt; None when the AR model trains (its evaluation samples
+        anew each time)."""
+        if self.priors is not None or self.cfg.component != "dit":
+            return self.priors
+        return FrozenPriors(self.policy.wrapper.pipeline, eval_sampling(self.cfg))
 
     def _open_outputs(self, halves: tuple[str, ...] = ("",)) -> None:
         """The run's folder (`halves`: its sub-folders that hold checkpoints), metrics.jsonl, config.yaml."""
