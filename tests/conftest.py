@@ -94,28 +94,34 @@ UNIT_FILES = {
 }
 
 
-# The longest test files, longest first (a 2-core run's seconds summed over a file's tests: 150 for
-# test_fsdp.py down to ~20). pytest-xdist gives each worker one file at a time in collection order, so these
-# go first and no worker ends on a long file started last; the order changes the wall time only.
+# The longest test files, longest first (seconds summed over a file's tests in a 2-worker run on the AVX2-only
+# EPYC: 369 for test_fsdp.py down to ~40). pytest-xdist gives each worker one file at a time in collection
+# order, so these go first and no worker ends on a long file started last; the order changes the wall time only.
 LONGEST_FILES = (
     "test_fsdp.py",
     "test_dit_training.py",
-    "test_ar_training.py",
-    "test_robustness_signals.py",
-    "test_gpu_check.py",
     "test_joint_training.py",
+    "test_ar_training.py",
+    "test_gpu_check.py",
+    "test_robustness_signals.py",
     "test_nft_training.py",
     "test_fsdp_policy_copies.py",
-    "test_recipe.py",
     "test_priors.py",
-    "test_hsdp.py",
-    "test_accelerate_launch.py",
-    "test_multinode.py",
-    "test_shape_fixture.py",
-    "test_evaluate.py",
-    "test_awm_training.py",
+    "test_recipe.py",
     "test_dgpo_training.py",
+    "test_evaluate.py",
+    "test_accelerate_launch.py",
+    "test_awm_training.py",
+    "test_recipes.py",
+    "test_hsdp.py",
+    "test_ar_logprobs.py",
+    "test_multinode.py",
     "test_sharded_checkpoints.py",
+    "test_robustness_rewards.py",
+    "test_plan.py",
+    "test_robustness_inputs.py",
+    "test_export.py",
+    "test_shape_fixture.py",
 )
 
 
