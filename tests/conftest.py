@@ -94,9 +94,10 @@ UNIT_FILES = {
 }
 
 
-# The longest test files, longest first (seconds summed over a file's tests in a 2-worker run on the AVX2-only
-# EPYC: 369 for test_fsdp.py down to ~40). pytest-xdist gives each worker one file at a time in collection
-# order, so these go first and no worker ends on a long file started last; the order changes the wall time only.
+# The longest test files, longest first (seconds summed over a file's tests in a 2-worker run on the
+# AVX2-only EPYC: 369 for test_fsdp.py down to ~40). pytest-xdist gives each worker one file at a time in
+# collection order, so these go first and no worker ends on a long file started last; the order changes the
+# wall time only.
 LONGEST_FILES = (
     "test_fsdp.py",
     "test_dit_training.py",

@@ -31,9 +31,9 @@ def test_default_awm_run_learns(tmp_path):
     assert "clip_frac" not in rows[0] and "r_mean" not in rows[0]  # the other trainers' statistics
     rewards = np.array([r["reward_mean"] for r in rows])
     first, last = rewards[:4].mean(), rewards[-4:].mean()
-    # Per-step noise of the mean reward is ~0.02-0.04. Measured in 16 steps, trainer.seed 0-4 under the pinned
-    # numerics (benchmarks/learning_margins.py awm): +0.345, +0.393, +0.762, +0.209, +0.517 (training); +0.364,
-    # +0.396, +0.700, +0.234, +0.396 (held out). At 12 steps seed 3 had gained only +0.065 and +0.070.
+    # Per-step noise of the mean reward is ~0.02-0.04. Measured in 16 steps, trainer.seed 0-4 under the
+    # pinned numerics (benchmarks/learning_margins.py awm): +0.345, +0.393, +0.762, +0.209, +0.517 (training);
+    # +0.364, +0.396, +0.700, +0.234, +0.396 (held out). At 12 steps seed 3 had gained only +0.065 and +0.070.
     assert last - first > 0.1, rewards.round(3).tolist()
     evals = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")}
     assert sorted(evals) == [0, 16]

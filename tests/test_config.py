@@ -66,6 +66,9 @@ def test_a_config_file_outside_configs_still_finds_the_model_group(tmp_path):
         ("reward.weights=[1.0,2.0]", "reward.weights", "one per name"),
         ("model.device_map=gpu", "model.device_map", "'cuda'"),
         ("data.num_generations=1", "data.num_generations", ">= 2"),
+        # A misspelt choice: the closest name and all of them (never another algorithm's config).
+        ("algo.name=flow_grop", "algo.name", "did you mean 'flow_grpo'? the algorithms: flow_grpo, nft, awm"),
+        ("model=tinyy", "model", "did you mean 'tiny'? the options: glm_image, glm_image_shape, tiny."),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(override, key, fix):
@@ -73,6 +76,30 @@ def test_bad_values_name_the_key_and_the_fix(override, key, fix):
         load_config([override], "t2i_training")
     assert err.value.key == key
     assert fix in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "name", "fix"),
+    [
+        (
+            "awm_training",
+            "nft",
+            "this config trains 'awm'; 'nft' has its own: train_dit.py --config configs/nft_training.yaml",
+        ),
+        ("t2i_training", "grpo", "'grpo' has its own: train_ar.py --config configs/ar_training.yaml"),
+        (
+            "ar_training",
+            "flow_grpo",
+            "'flow_grpo' has its own: train_dit.py --config configs/t2i_training.yaml",
+        ),
+        ("t2i_training", "DAPO", "'DAPO' is a setting of 'grpo' (docs/algorithms.md): algo.name=grpo"),
+        ("ar_training", "ppo", "'ppo' is not an algorithm; the algorithms: flow_grpo, nft, awm, dgpo, grpo."),
+    ],
+)
+def test_another_algorithms_name_points_to_its_config(config, name, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config([f"algo.name={name}"], config)
+    assert err.value.key == "algo.name" and fix in str(err.value)
 
 
 def test_missing_required_value_is_named(tmp_path):

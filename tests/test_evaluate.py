@@ -76,7 +76,9 @@ def test_a_dit_runs_evaluation_writes_each_prompts_prior_tokens_once(tiny_model_
     from glm_training.pipeline.dit import generate_prior_tokens, prompt_seed
 
     pipe = GlmImagePipeline.from_pretrained(tiny_model_dir)
-    sampling = EvalSampling(height=32, width=32, num_inference_steps=2, guidance_scale=1.0, seed=7, batch_size=2)
+    sampling = EvalSampling(
+        height=32, width=32, num_inference_steps=2, guidance_scale=1.0, seed=7, batch_size=2
+    )
     priors, calls, generate = FrozenPriors(pipe, sampling), [], pipe.generate_prior_tokens
 
     def counted(**kwargs):

@@ -166,6 +166,27 @@ def test_every_torch_load_in_the_package_uses_weights_only_true():
     assert [where for where, ok in calls if ok is not True] == []
 
 
+@pytest.mark.parametrize(
+    ("target", "needle"),
+    [
+        ("lastest", "is neither 'latest' nor a folder that exists; did you mean 'latest'?"),
+        ("run", "is a run's folder; name one of its checkpoints"),
+        ("run/checkpoints", "is not a checkpoint folder (no trainer_state.json)"),
+    ],
+)
+def test_a_wrong_resume_target_is_refused_before_anything_is_loaded_or_written(
+    tmp_path, capsys, target, needle
+):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    resume = target if target == "lastest" else str(tmp_path / target)
+    out = tmp_path / "out"
+    args = [*DIT_SMALL, f"trainer.output_dir={out}", f"trainer.resume={resume}"]
+    assert run(DiTTrainer, "t2i_training", args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "[load]" not in err
+    assert not out.exists()  # no config.yaml left behind
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt")

@@ -10,6 +10,7 @@ saves leaves the newer half's checkpoint unpaired, and it is set aside as a dama
 
 from __future__ import annotations
 
+import difflib
 import logging
 import shutil
 from collections.abc import Sequence
@@ -34,6 +35,33 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
     `"latest"` the next older one is tried, with a warning for each one passed over.
     """
     return find_resume(resume, output_dir)[0]
+
+
+def check_resume_target(resume: str | None) -> None:
+    """Refuse a `trainer.resume` that can be seen to be wrong before anything loads: neither "latest" nor a
+    folder that exists (a typo of "latest" is named), a run's folder instead of one of its checkpoints, or a
+    folder that is no checkpoint. Its files' hashes are checked when the run resumes (`find_resume`)."""
+    if not resume or resume == "latest":
+        return
+    path = Path(resume).expanduser()
+    example = f"<output_dir>/checkpoints/{CHECKPOINT_PREFIX}000010"
+    if not path.exists():
+        guess = "did you mean 'latest'? " if difflib.get_close_matches(resume, ["latest"], n=1) else ""
+        raise CheckpointError(
+            f"trainer.resume='{resume}' is neither 'latest' nor a folder that exists; {guess}give a "
+            f"checkpoint folder ({example}) or 'latest'."
+        )
+    if (path / "checkpoints").is_dir():
+        raise CheckpointError(
+            f"trainer.resume='{resume}' is a run's folder; name one of its checkpoints ({path}/checkpoints/"
+            f"{CHECKPOINT_PREFIX}...), or continue that run where it is: trainer.output_dir={resume} "
+            "trainer.resume=latest."
+        )
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(
+            f"trainer.resume='{resume}' is not a checkpoint folder (no {STATE_FILE}); give a folder such as "
+            f"{example}, or 'latest'."
+        )
 
 
 def find_resume(resume: str, output_dir: Path) -> tuple[Path, list[Path]]:

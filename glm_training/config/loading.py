@@ -178,7 +178,7 @@ def compose_config(command: CommandLine) -> Any:
     """Compose the YAML with Hydra (defaults list, config groups, overrides) and convert it to dataclasses."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
 
     register_configs()
     overrides = list(command.overrides)
@@ -210,6 +210,8 @@ def compose_config(command: CommandLine) -> Any:
     except ValidationError as err:
         key = _full_key(err)
         raise ConfigError(key, f"wrong type or value: {err.msg.splitlines()[0]}") from None
+    except MissingConfigException as err:
+        raise _missing_option_error(err) from None
     except HydraException as err:
         cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
@@ -220,6 +222,20 @@ def compose_config(command: CommandLine) -> Any:
         raise ConfigError("overrides", f"{str(err).splitlines()[0]}") from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _missing_option_error(err: Any) -> ConfigError:
+    """A config group given an option it does not have (`model=tinyy`): the closest option and all of them
+    (the schemas Hydra lists beside them are left out: they are no choice)."""
+    group, _, name = str(err.missing_cfg_file).rpartition("/")
+    options = [o for o in (err.options or []) if not o.endswith("_schema")]
+    if not group or not options:
+        return ConfigError("overrides", str(err).splitlines()[0])
+    close = difflib.get_close_matches(name, options, n=1)
+    guess = f"did you mean '{close[0]}'? " if close else ""
+    return ConfigError(
+        group, f"'{name}' is not one of its options; {guess}the options: {', '.join(options)}."
+    )
 
 
 def _with_schema(cfg: Any, command: CommandLine) -> Any:

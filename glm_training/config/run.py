@@ -8,6 +8,7 @@ the shared checks run once, here.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,9 +93,26 @@ class AlgoConfig:
         return self.beta > 0
 
     def other_schema_hint(self, own: str) -> str:
-        """The error when `algo.name` is not this section's algorithm."""
+        """The error when `algo.name` is not this section's algorithm: the config that trains the named one,
+        or, for a name that is no algorithm, the closest name and all of them."""
+        from glm_training.config.algorithms import ALGORITHMS  # the table imports this module: at call time
+
+        spec = ALGORITHMS.get(self.name)
+        variant_of = [a for a in ALGORITHMS.values() if self.name.lower() in a.variants]
+        if spec is None and variant_of:
+            spec = variant_of[0]
+            return (
+                f"'{self.name}' is a setting of '{spec.name}' (docs/algorithms.md): algo.name={spec.name}, "
+                f"as in configs/{spec.config}.yaml."
+            )
+        if spec is None:
+            close = difflib.get_close_matches(self.name, list(ALGORITHMS), n=1)
+            guess = f"did you mean '{close[0]}'? " if close else ""
+            return f"'{self.name}' is not an algorithm; {guess}the algorithms: {', '.join(ALGORITHMS)}."
+        script = "train_dit.py" if spec.component == "dit" else "train_ar.py"
         return (
-            f"this schema trains '{own}'; '{self.name}' has its own config (train_dit.py --help lists them)."
+            f"this config trains '{own}'; '{self.name}' has its own: {script} --config "
+            f"configs/{spec.config}.yaml."
         )
 
 

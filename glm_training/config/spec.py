@@ -32,6 +32,9 @@ class AlgorithmSpec:
     policy_copies: tuple[str, ...] = ()
     # Keys that saved run configs of it may hold but it never read (dropped when a saved config loads).
     retired_keys: tuple[str, ...] = ()
+    # Other names users know it by, which are its settings here (GRPO's DAPO and GSPO): `algo.name=<one>` is
+    # answered with this algorithm's config.
+    variants: tuple[str, ...] = ()
 
     def algorithm_class(self) -> type:
         return import_named(self.algorithm)

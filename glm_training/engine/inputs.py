@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from glm_training.checkpoint.resume import check_resume_target
 from glm_training.config import ConfigError
 from glm_training.data import load_prompts
 from glm_training.evaluation import check_eval_prompts, load_eval_prompts, text_recogniser, watched_reward_set
@@ -27,6 +28,7 @@ class RunInputs:
     def __init__(
         self, cfg: Any, reward_funcs: RewardFuncs | None = None, reward_weights: list[float] | None = None
     ):
+        check_resume_target(cfg.trainer.resume)
         self.prompts = load_prompts(cfg.data.resolved_prompt_file())
         if reward_funcs is None:
             self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options, cfg.reward.combine)

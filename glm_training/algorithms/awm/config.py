@@ -97,9 +97,6 @@ class AWMConfig(AlgoConfig):
             "per rollout are algo.num_mini_batches.",
         )
 
-    def other_schema_hint(self, own: str) -> str:
-        return f"the awm schema trains AWM; for '{self.name}' use configs/t2i_training.yaml."
-
 
 @dataclass
 class AWMTrainConfig(RunConfig):

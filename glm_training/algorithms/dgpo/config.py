@@ -119,9 +119,6 @@ class DGPOConfig(AlgoConfig):
         """The group sums read the base model's errors (dpo_reference=base), besides the KL's."""
         return self.beta > 0 or self.dpo_reference == "base"
 
-    def other_schema_hint(self, own: str) -> str:
-        return f"the dgpo schema trains DGPO; for '{self.name}' use configs/t2i_training.yaml."
-
 
 @dataclass
 class DGPOTrainConfig(RunConfig):

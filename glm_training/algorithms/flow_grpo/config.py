@@ -187,9 +187,6 @@ class FlowGRPOConfig(AlgoConfig):
         _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
         _check_choice(self.ratio_norm, RATIO_NORMS, "algo.ratio_norm")
 
-    def other_schema_hint(self, own: str) -> str:
-        return f"'{self.name}' needs its own schema: for DiffusionNFT use --config configs/nft_training.yaml."
-
 
 @dataclass
 class DiTTrainConfig(RunConfig):

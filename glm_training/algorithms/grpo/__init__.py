@@ -12,4 +12,5 @@ SPEC = AlgorithmSpec(
     schema="ar_schema",
     algorithm="glm_training.algorithms.grpo.algorithm:GRPO",
     config="ar_training",
+    variants=("dapo", "gspo"),
 )

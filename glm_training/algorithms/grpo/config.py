@@ -194,9 +194,6 @@ class DAPOConfig(AlgoConfig):
         _check(self.max_resample_rounds >= 0, "algo.max_resample_rounds", "must be >= 0.")
         _check_choice(self.on_budget_exhausted, ("warn", "error"), "algo.on_budget_exhausted")
 
-    def other_schema_hint(self, own: str) -> str:
-        return f"the AR trainer runs 'grpo' (GRPO/DAPO/GSPO), got '{self.name}'."
-
 
 @dataclass
 class ARTrainConfig(RunConfig):

@@ -72,9 +72,6 @@ class NFTConfig(AlgoConfig):
         _check_choice(self.decay_type, NFT_DECAY_TYPES, "algo.decay_type")
         _check(0 < self.timestep_fraction <= 1, "algo.timestep_fraction", "must be in (0, 1].")
 
-    def other_schema_hint(self, own: str) -> str:
-        return f"the nft schema trains DiffusionNFT; for '{self.name}' use configs/t2i_training.yaml."
-
     def num_train_times(self, num_steps: int) -> int:
         """Training times per sample: the reference's int(num_steps * timestep_fraction), at least 1."""
         return max(1, int(num_steps * self.timestep_fraction))
