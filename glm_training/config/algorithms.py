@@ -18,7 +18,7 @@ from typing import Any
 
 from glm_training.config.model import ModelConfig
 from glm_training.config.options import ConfigError, _check_choice
-from glm_training.config.spec import AlgorithmSpec, import_named
+from glm_training.config.spec import ALGORITHMS, AlgorithmSpec, import_named
 
 # The shipped algorithms: the package of each, whose `SPEC` is its row of the table.
 BUILTIN = (
@@ -29,7 +29,6 @@ BUILTIN = (
     "glm_training.algorithms.grpo",
 )
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {}
 # The algorithm a saved config without `algo.name` was trained with (configs from before the name existed).
 DEFAULT_ALGORITHM = {"dit": "flow_grpo", "ar": "grpo"}
 # The engine's trainer (`engine/trainer.py`), imported when training starts.

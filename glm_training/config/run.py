@@ -29,6 +29,7 @@ from glm_training.config.schema import (
     RewardConfig,
     TrainerConfig,
 )
+from glm_training.config.spec import ALGORITHMS
 
 # The error of a run config given to the other half's entry point.
 _COMPONENT_ERRORS = {
@@ -95,8 +96,6 @@ class AlgoConfig:
     def other_schema_hint(self, own: str) -> str:
         """The error when `algo.name` is not this section's algorithm: the config that trains the named one,
         or, for a name that is no algorithm, the closest name and all of them."""
-        from glm_training.config.algorithms import ALGORITHMS  # the table imports this module: at call time
-
         spec = ALGORITHMS.get(self.name)
         variant_of = [a for a in ALGORITHMS.values() if self.name.lower() in a.variants]
         if spec is None and variant_of:

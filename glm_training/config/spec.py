@@ -38,3 +38,8 @@ class AlgorithmSpec:
 
     def algorithm_class(self) -> type:
         return import_named(self.algorithm)
+
+
+# The algorithm table, by `algo.name`: filled by `config/algorithms.py` (`register_algorithm`), which owns
+# it; it lives here, below every config module, so that `AlgoConfig` can name the algorithms in its errors.
+ALGORITHMS: dict[str, AlgorithmSpec] = {}
