@@ -217,12 +217,16 @@ class FrozenPriors:
 
     def eval_tokens(self, texts: list[str]) -> torch.Tensor:
         """[B, L] the tokens of `texts`, generated once per prompt."""
-        s = self.sampling
         for text in texts:
             if text not in self.kept:
-                seed = prompt_seed(s.seed, text)
-                self.kept[text] = generate_prior_tokens(self.pipeline, [text], s.height, s.width, seed=seed)
+                self.kept[text] = prompt_prior_tokens(self.pipeline, text, self.sampling)
         return torch.cat([self.kept[t] for t in texts])
+
+
+def prompt_prior_tokens(pipeline, text: str, sampling: EvalSampling) -> torch.Tensor:
+    """[1, L] one held-out prompt's prior tokens from the AR model, from the prompt's own seed."""
+    seed = prompt_seed(sampling.seed, text)
+    return generate_prior_tokens(pipeline, [text], sampling.height, sampling.width, seed=seed)
 
 
 @torch.no_grad()
@@ -243,12 +247,7 @@ def sample_batch(
         prior = prior_tokens(texts)
     else:
         # One AR call per prompt: its tokens depend on its own seed only.
-        prior = torch.cat(
-            [
-                generate_prior_tokens(pipeline, [t], sampling.height, sampling.width, seed=x)
-                for t, x in zip(texts, seeds)
-            ]
-        )
+        prior = torch.cat([prompt_prior_tokens(pipeline, t, sampling) for t in texts])
     latents = seeded_latents(pipeline, seeds, sampling.height, sampling.width)
     return render_with_pipeline(
         pipeline,
