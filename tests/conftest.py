@@ -198,9 +198,10 @@ def children_cpu_seconds() -> float:
 
 
 def torchrun(
-    script: str, args: list[str], *, nproc: int = 2, timeout: float = 300
+    script: str, args: list[str], *, nproc: int = 2, timeout: float = 300, log_dir: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """A real multi-process launch (gloo on CPU) of `script` with `args`."""
+    """A real multi-process launch (gloo on CPU) of `script` with `args`. `log_dir`: each rank's output in
+    its own files there (torchrun's --redirects), for `rank_tails`."""
     cmd = [
         PYTHON,
         "-m",
@@ -209,10 +210,21 @@ def torchrun(
         "--master_port=0",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=localhost:0",
+        *([f"--log-dir={log_dir}", "--redirects=3"] if log_dir is not None else []),
         script,
         *args,
     ]
     return run_cli(cmd, timeout=timeout)
+
+
+def rank_tails(log_dir: Path, lines: int = 30) -> str:
+    """The last `lines` lines of each rank's stderr of a `torchrun(..., log_dir=)` launch: a rank that died
+    natively (SIGABRT) says why there, not in the survivor's traceback."""
+    tails = []
+    for path in sorted(log_dir.glob("*/attempt_*/*/stderr.log")):
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+        tails.append(f"--- rank {path.parent.name} ({path}) ---\n" + "\n".join(text))
+    return "\n".join(tails) or f"(no rank logs under {log_dir})"
 
 
 def assert_resumed_run_matches(full: Path, part: Path, step: int) -> list[tuple[dict, dict]]:

@@ -33,8 +33,21 @@ SMALL = AR_SMALL
             "algo.dynamic_sampling=false",
             "algo.min_group_std=1e9",
         ),
+        # The folded sampler (adapters folded into a sampling copy) with verl's truncated importance weights.
+        (
+            "model.lora.enabled=true",
+            "sampling.sampler=folded",
+            "algo.rollout_is_threshold=2.0",
+            "algo.rollout_is=true",
+        ),
     ],
-    ids=["plain", "temp0.7-topp0.8-no-dynamic-sampling", "temp1.3-topk20-kl-lora", "gspo-all-flat"],
+    ids=[
+        "plain",
+        "temp0.7-topp0.8-no-dynamic-sampling",
+        "temp1.3-topk20-kl-lora",
+        "gspo-all-flat",
+        "folded-tis",
+    ],
 )
 def test_first_inner_step_ratio_is_exactly_one(tmp_path, sampling):
     cfg = load_config([*SMALL, f"trainer.output_dir={tmp_path}", *sampling], "ar_training")
@@ -47,7 +60,35 @@ def test_first_inner_step_ratio_is_exactly_one(tmp_path, sampling):
     assert stats["kl"] == 0.0
     # The teacher-forced pass reproduces the sampling distribution (temperature, top-p/top-k, positions).
     assert stats["sampling_logp_max_diff"] < 1e-4
+    assert 0 <= stats["sampling_logp_mean_diff"] <= stats["sampling_logp_max_diff"]
+    if cfg.algo.rollout_is_threshold is not None:  # weights exp(gap) within 1e-4 of 1: nothing truncated
+        assert abs(stats["rollout_is_mean"] - 1) < 1e-4 and stats["rollout_is_ratio_fraction_high"] == 0
     assert stats["grad_norm"] > 0
+
+
+def test_truncated_importance_weights_scale_the_policy_gradient_as_verl_does(tmp_path):
+    """Golden test of algo.rollout_is on and off. Sampler log-probs 0.5 below the learner's on every
+    token make every weight exp(0.5) (< the threshold 2), so the first update's gradient (one optimizer
+    step; its norm before clipping) is exp(0.5) times the one without the correction; with the threshold at
+    1.2 every weight is truncated to 1.2. (The first step's token-mean loss itself is ~0: group advantages
+    sum to 0.)"""
+    stats = {}
+    for name, extra in {
+        "off": ["algo.rollout_is_threshold=2.0"],
+        "on": ["algo.rollout_is_threshold=2.0", "algo.rollout_is=true"],
+        "truncated": ["algo.rollout_is_threshold=1.2", "algo.rollout_is=true"],
+    }.items():
+        overrides = [*SMALL, f"trainer.output_dir={tmp_path / name}", "algo.dynamic_sampling=false", *extra]
+        trainer = ARTrainer(load_config(overrides, "ar_training"))
+        batch = trainer.collect(0)
+        for record in batch.rollout.records:
+            record["sampling_log_probs"] = record["sampling_log_probs"] - 0.5 * record["completion_mask"]
+        stats[name] = trainer.update(batch, 0)
+    off = stats["off"]["grad_norm"]
+    assert off > 0 and stats["off"]["rollout_is_mean"] == pytest.approx(np.exp(0.5), rel=1e-4)
+    assert stats["on"]["grad_norm"] == pytest.approx(np.exp(0.5) * off, rel=1e-4)
+    assert stats["truncated"]["grad_norm"] == pytest.approx(1.2 * off, rel=1e-4)
+    assert stats["truncated"]["rollout_is_ratio_fraction_high"] == 1.0
 
 
 def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):

@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from conftest import DIT_SMALL, REPO, torchrun
+from conftest import DIT_SMALL, REPO, rank_tails, torchrun
 from safetensors.torch import load_file
 
 from glm_training.algorithms.awm.algorithm import ANCHOR_FILE
@@ -136,8 +136,9 @@ def launch(tmp_path_factory):
         f"trainer.resume={tmp_path / 'nft_fsdp' / 'checkpoints' / 'step-000001'}",
     ]
     script = str(REPO / "tests" / "scripts" / "fsdp_check.py")
-    result = torchrun(script, [str(tmp_path), "dit", json.dumps(runs)], timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    logs = tmp_path / "logs"
+    result = torchrun(script, [str(tmp_path), "dit", json.dumps(runs)], timeout=600, log_dir=logs)
+    assert result.returncode == 0, f"{rank_tails(logs)}\n--- launcher ---\n{result.stderr[-3000:]}"
     return tmp_path, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -88,6 +88,8 @@ def run_record(s: Settings) -> dict[str, Any]:
         "num_inference_steps": s.num_inference_steps,
         "train_size": s.train_size,
         "overrides": s.overrides,
+        "profile": s.profile,
+        "packed_attention": s.packed_attention,
         "model": f"GLM-Image widths, {_depth(s)} ({layers}), random weights, {dtype}",
     }
 
@@ -153,11 +155,27 @@ def run_decoding(report: Report, pipe, bandwidth: float | None) -> None:
     runs = [(decoding, False, batch) for decoding in s.decoding_paths for batch in s.batch_sizes]
     if s.compile:
         runs += [("loop", True, batch) for batch in sorted(s.batch_sizes, reverse=True)]
-    for decoding, compile, batch in runs:
+    # --profile decoding: the compiled loop at the largest batch (the first compiled run), else the last run.
+    profiled_run = runs[len(s.decoding_paths) * len(s.batch_sizes)] if s.compile else runs[-1]
+    for run in runs:
+        decoding, compile, batch = run
         label = f"{decoding}+compile" if compile else decoding
+        wanted = "decoding" in s.profile and run == profiled_run
+        profile = s.output / "profile_decoding.txt" if wanted else None
         with report.stage(f"AR decoding {label} {size}x{size} batch {batch}", "decoding") as out:
             out.update(
-                time_decoding(pipe, decoding, compile, size, batch, s.decode_steps, bandwidth, s.device)
+                time_decoding(
+                    pipe,
+                    decoding,
+                    compile,
+                    size,
+                    batch,
+                    s.decode_steps,
+                    bandwidth,
+                    s.device,
+                    profile,
+                    s.packed_attention and decoding == "loop",
+                )
             )
             report.data["decoding"].append(out)
 

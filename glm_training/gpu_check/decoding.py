@@ -4,13 +4,14 @@ project's decoding loop writes the prior tokens, the pipeline's DiT and VAE turn
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from glm_training.gpu_check.build import numel
-from glm_training.gpu_check.measure import compiled_graphs, measured
+from glm_training.gpu_check.measure import compiled_graphs, measured, profiled
 from glm_training.gpu_check.settings import PROMPT
 
 
@@ -83,10 +84,19 @@ def decode_bytes_per_step(model: nn.Module, batch: int, context: float) -> dict[
 
 
 def _time_first_tokens(
-    pipe, prompts: list[str], decoding: str, compile: bool, size: int, num_steps: int, device: torch.device
+    pipe,
+    prompts: list[str],
+    decoding: str,
+    compile: bool,
+    size: int,
+    num_steps: int,
+    device: torch.device,
+    profile: Path | None = None,
+    packed_attention: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], int]:
     """The timed calls of `time_decoding`: (compile figures, the prefill's one draw, `num_steps` draws,
-    dynamo's graph count before the two timed calls)."""
+    dynamo's graph count before the two timed calls); then, with `profile`, one more call under the
+    profiler, its table written there."""
     from glm_training.pipeline.ar import decode_first_tokens
     from glm_training.pipeline.ar_logits import SamplingParams
 
@@ -94,7 +104,18 @@ def _time_first_tokens(
     out: dict[str, Any] = {}
 
     def run(steps: int) -> None:
-        decode_first_tokens(pipe, prompts, size, size, params, 0, steps, decoding=decoding, compile=compile)
+        decode_first_tokens(
+            pipe,
+            prompts,
+            size,
+            size,
+            params,
+            0,
+            steps,
+            decoding=decoding,
+            compile=compile,
+            packed_attention=packed_attention,
+        )
 
     if compile:
         with measured(device) as first:
@@ -105,6 +126,9 @@ def _time_first_tokens(
         run(1)
     with measured(device) as m:
         run(num_steps)
+    with profiled(device, profile):
+        if profile is not None:
+            run(num_steps)
     return out, prefill, m, graphs
 
 
@@ -117,6 +141,8 @@ def time_decoding(
     num_steps: int,
     bandwidth: float | None,
     device: torch.device,
+    profile: Path | None = None,
+    packed_attention: bool = False,
 ) -> dict[str, Any]:
     """Decoding speed over the first `num_steps` steps of a `size`² rollout of `batch` prompts, next to its
     memory-bandwidth roofline (`decode_first_tokens`).
@@ -130,7 +156,9 @@ def time_decoding(
     from glm_training.pipeline.ar import chat_inputs
 
     prompts = [PROMPT] * batch
-    out, prefill, m, graphs = _time_first_tokens(pipe, prompts, decoding, compile, size, num_steps, device)
+    out, prefill, m, graphs = _time_first_tokens(
+        pipe, prompts, decoding, compile, size, num_steps, device, profile, packed_attention
+    )
     inputs = chat_inputs(pipe, prompts, size, size)
     num_prompt = inputs["input_ids"].shape[1]
     num_grid = sum(int(t * h * w) for t, h, w in inputs["image_grid_thw"].tolist()) // batch
@@ -139,8 +167,9 @@ def time_decoding(
     seconds = m["seconds"] - prefill["seconds"]
     speed = batch * (num_steps - 1) / seconds if seconds > 0 else float("nan")
     roofline = batch * bandwidth / read["total"] if bandwidth else None
+    label = f"{decoding}+compile" if compile else decoding
     return {
-        "decoding": f"{decoding}+compile" if compile else decoding,
+        "decoding": label + ("+packed" if packed_attention and decoding == "loop" else ""),
         "height": size,
         "width": size,
         "batch": batch,

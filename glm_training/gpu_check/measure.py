@@ -80,6 +80,24 @@ def measured(device: torch.device) -> Iterator[dict[str, Any]]:
         out["peak_memory_gib"] = peak / GIB
 
 
+@contextlib.contextmanager
+def profiled(device: torch.device, path: Path | None) -> Iterator[None]:
+    """The block under `torch.profiler` (CPU, and CUDA where it runs), its kernel table written to `path`:
+    `key_averages().table`, the 30 rows of most device time (CPU time on a CPU). `path` None: no profiler."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with profile(activities=activities) as prof:
+        yield
+        synchronize(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=70) + "\n")
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has produced in this process so far (dynamo's counter)."""
     from torch._dynamo.utils import counters

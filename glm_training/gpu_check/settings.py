@@ -16,6 +16,7 @@ logger = logging.getLogger("glm_training.gpu_check")
 DESCRIPTION = "One-command check of the GPU path: speed, memory and placement of GLM-Image at its real depth."
 PROMPT = 'A red apple on a wooden table, a sign reading "GLM" behind it, soft studio light'
 SECTIONS = ("seeds", "dit", "ar", "decoding", "pipeline")  # in order of value; the environment always runs
+PROFILED = ("dit", "ar", "decoding")  # sections --profile can run under torch.profiler
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Settings:
     train_size: int
     output: Path
     overrides: dict[str, list[str]] = field(default_factory=dict)  # per half: --dit-overrides, --ar-overrides
+    profile: tuple[str, ...] = ()  # PROFILED sections run under torch.profiler (--profile)
+    packed_attention: bool = False  # the decoding loop's steps attend with ar_attention.PACKED_GQA
     seed: int = 0
     layers: dict[str, int] = field(default_factory=dict)  # ar, vision, dit, glyph
 
@@ -74,8 +77,23 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="also time the loop's compiled step, and use it for the text-to-image call (default: on CUDA)",
     )
+    add(
+        "--packed-attention",
+        action="store_true",
+        help="time the decoding loop with its per-token steps attending by ar_attention.PACKED_GQA (the "
+        "folded sampler's attention: the key/value heads not repeated)",
+    )
     add("--num-inference-steps", type=int, help="DiT steps of the text-to-image call (default 50; --toy: 2)")
     add("--train-size", type=int, help="image size of the training steps (default 1024; --toy: 64)")
+    add(
+        "--profile",
+        nargs="+",
+        choices=PROFILED,
+        default=[],
+        help="run these under torch.profiler and write its kernel table as profile_<section>.txt: the "
+        "training step (dit, ar), or one more warm call of the compiled decoding loop at the largest batch "
+        "(decoding)",
+    )
     for half in ("dit", "ar"):
         add(
             f"--{half}-overrides",
@@ -137,6 +155,8 @@ def parse_settings(argv: list[str] | None) -> Settings:
         num_inference_steps=args.num_inference_steps or (2 if args.toy else 50),
         train_size=train_size,
         overrides={"dit": args.dit_overrides, "ar": args.ar_overrides},
+        profile=tuple(args.profile),
+        packed_attention=args.packed_attention,
         output=args.output,
         layers={name: 1 for name in real} if args.toy else real,
     )

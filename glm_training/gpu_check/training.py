@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glm_training.gpu_check.measure import GIB, compiled_graphs, free_memory, measured
+from glm_training.gpu_check.measure import GIB, compiled_graphs, free_memory, measured, profiled
 from glm_training.gpu_check.settings import Settings
 
 # One step of one group of two samples, the bundled prompts (`data.prompt_file=`), a reward without weights.
@@ -49,6 +49,8 @@ def _in_memory_trainer() -> type:
             super().__init__(cfg, pipeline=pipeline, priors=priors)
 
         def _timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+            if phase in self.phases:  # a later step: the first step's figures stay as first_<phase>
+                self.phases.setdefault(f"first_{phase}", self.phases[phase])
             with measured(self.policy.device) as self.phases[phase]:
                 return fn()
 
@@ -131,7 +133,8 @@ def train_step(
             )
             trainer = trainer_cls(cfg, pipe, priors)
             graphs = compiled_graphs()
-            with measured(settings.device) as step:
+            profile = settings.output / f"profile_{component}.txt" if component in settings.profile else None
+            with profiled(settings.device, profile), measured(settings.device) as step:
                 trainer.train()
             graphs = compiled_graphs() - graphs
             result = _step_result(component, recipe, cfg, settings.train_size, trainer, step, graphs)
@@ -156,7 +159,7 @@ def _step_result(
     return {
         "component": component,
         "recipe": recipe,
-        "driven_by": f"{type(trainer).__name__}.train(), 1 step",
+        "driven_by": f"{type(trainer).__name__}.train(), {cfg.trainer.num_steps} step(s)",
         "height": size,
         "width": size,
         "samples": cfg.data.per_rank_samples(1),
@@ -166,6 +169,10 @@ def _step_result(
         "peak_memory_gib": max(p["peak_memory_gib"] for p in [step, *phases.values()]),
         "peak_memory_source": step["peak_memory_source"],
         "loss": record.get("loss"),
+        # The last step's sampler-learner gap and first ratio (the AR half; None for the DiT).
+        **{key: record.get(key) for key in ("sampling_logp_mean_diff", "sampling_logp_max_diff")},
+        "ratio_mean": record.get("ratio_mean"),
+        "num_steps": cfg.trainer.num_steps,
         "plan_peak_gib": plan.peak / GIB if plan else None,
         "plan_summary": plan.summary() if plan else None,
         "trainable_params": sum(p.numel() for p in trainer.policy.trained_parameters()),

@@ -40,15 +40,16 @@ and (up to float rounding) log-probs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
 
+from glm_training.pipeline.ar_attention import packed_gqa
 from glm_training.pipeline.ar_generate import check_generation_config, decode_with_generate
 from glm_training.pipeline.ar_logits import SamplingParams, filtered_logits
+from glm_training.pipeline.ar_step import DecodeState, cache_and_step, decoding_mask
 
 # sample_image_tokens' decoding paths: the project's own loop (default) and transformers' generate().
 DECODING_PATHS = ("loop", "generate")
@@ -123,6 +124,9 @@ def sample_image_tokens(
     decoding: str = "loop",
     static_cache: bool = False,
     compile: bool = False,
+    state: DecodeState | None = None,
+    pad_to_multiple_of: int | None = None,
+    packed_attention: bool = False,
 ) -> ARSamples:
     """Sample one token sequence per prompt (text-to-image) with the pipeline's AR model.
 
@@ -142,9 +146,17 @@ def sample_image_tokens(
 
     Both draw the same tokens for a seed (one `torch.multinomial` per step on the same probabilities; bit for
     bit on CPU in float32) and record the same log-probs up to float rounding (tests/test_ar_logprobs.py).
+
+    A sampler that decodes again and again (`pipeline/ar_sampler.py`) passes its `DecodeState`, so the loop
+    keeps its KV cache and compiled step from one call to the next, and `pad_to_multiple_of`, which
+    left-pads the prompts to a multiple of that many tokens so that calls share a few shapes;
+    `packed_attention` runs the loop's per-token steps with `ar_attention.PACKED_GQA` (the same attention up
+    to float rounding, without repeating the key/value heads).
     """
     _check_decoding(decoding, static_cache, compile)
-    inputs, grid_sizes = _rollout_inputs(pipeline, prompts, height, width)
+    if state is not None and decoding != "loop":
+        raise ValueError("a DecodeState keeps the decoding loop's cache; it needs decoding='loop'.")
+    inputs, grid_sizes = _rollout_inputs(pipeline, prompts, height, width, pad_to_multiple_of)
     prompt_mask = inputs["attention_mask"]
     batch_size, num_prompt_tokens = prompt_mask.shape
     large_h, large_w = height // 32, width // 32
@@ -162,6 +174,8 @@ def sample_image_tokens(
         decoding,
         static_cache,
         compile,
+        state=state,
+        packed_attention=packed_attention,
     )
     if position_ids.shape != (3, batch_size, total_length):
         raise RuntimeError(
@@ -200,11 +214,12 @@ def sample_image_tokens(
 
 
 def _rollout_inputs(
-    pipeline, prompts: list[str], height: int, width: int
+    pipeline, prompts: list[str], height: int, width: int, pad_to_multiple_of: int | None = None
 ) -> tuple[dict[str, Tensor], list[int]]:
     """A text-to-image rollout's AR inputs (CPU) and its target grids' token counts, large grid first.
 
-    Decoding writes the grids in reverse order (preview first), then one extra token.
+    Decoding writes the grids in reverse order (preview first), then one extra token. `pad_to_multiple_of`:
+    the prompts left-padded to a multiple of that many tokens (`pad_prompts`).
     """
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}.")
@@ -212,6 +227,8 @@ def _rollout_inputs(
         raise ValueError("prompts is empty.")
     check_generation_config(pipeline.vision_language_encoder)
     inputs = chat_inputs(pipeline, prompts, height, width)
+    if pad_to_multiple_of:
+        inputs = pad_prompts(inputs, pad_to_multiple_of, pipeline.processor.tokenizer.pad_token_id)
     if not bool(inputs["attention_mask"][:, -1].all()):
         raise ValueError(
             "The AR tokenizer pads on the right; generated tokens would not start at a common position. "
@@ -225,6 +242,22 @@ def _rollout_inputs(
     return inputs, [int(h * w) for _, h, w in grids]
 
 
+def pad_prompts(inputs: dict[str, Tensor], multiple: int, pad_token_id: int) -> dict[str, Tensor]:
+    """`inputs` with `input_ids` and `attention_mask` left-padded to a multiple of `multiple` tokens.
+
+    Left padding is masked out and the positions are computed from the mask, so the model computes the same
+    logits for the prompt's own tokens (up to the float rounding of attention over more, masked, columns)."""
+    length = inputs["input_ids"].shape[1]
+    extra = -length % multiple
+    if not extra:
+        return inputs
+    padded = dict(inputs)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    padded["input_ids"] = torch.cat([ids.new_full((ids.shape[0], extra), pad_token_id), ids], dim=1)
+    padded["attention_mask"] = torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
+    return padded
+
+
 def _decode(
     model,
     inputs: dict[str, Tensor],
@@ -236,6 +269,8 @@ def _decode(
     static_cache: bool,
     compile: bool,
     stop_after: int | None = None,
+    state: DecodeState | None = None,
+    packed_attention: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Seeded decoding on the model's device by `decoding`'s path: (sequences, positions, log-probs), CPU."""
     device = module_device(model)
@@ -245,7 +280,15 @@ def _decode(
         torch.manual_seed(seed)
         if decoding == "loop":
             return _decode_loop(
-                model, device_inputs, max_new_tokens, num_grid_tokens, params, compile, stop_after
+                model,
+                device_inputs,
+                max_new_tokens,
+                num_grid_tokens,
+                params,
+                compile,
+                stop_after,
+                state,
+                packed_attention,
             )
         return decode_with_generate(
             model, device_inputs, max_new_tokens, num_grid_tokens, params, static_cache
@@ -263,6 +306,7 @@ def decode_first_tokens(
     num_steps: int,
     decoding: str = "loop",
     compile: bool = False,
+    packed_attention: bool = False,
 ) -> Tensor:
     """The first `num_steps` image tokens [B, num_steps] (CPU) of `sample_image_tokens`' rollout.
 
@@ -281,7 +325,18 @@ def decode_first_tokens(
         lengths, stop_after = (num_grid_tokens + 1, num_grid_tokens), num_steps
     else:
         lengths, stop_after = (num_steps, num_steps), None
-    sequences, _, _ = _decode(model, inputs, *lengths, params, seed, decoding, False, compile, stop_after)
+    sequences, _, _ = _decode(
+        model,
+        inputs,
+        *lengths,
+        params,
+        seed,
+        decoding,
+        False,
+        compile,
+        stop_after,
+        packed_attention=packed_attention,
+    )
     num_prompt_tokens = inputs["input_ids"].shape[1]
     return sequences[:, num_prompt_tokens : num_prompt_tokens + num_steps]
 
@@ -320,6 +375,8 @@ def _decode_loop(
     params,
     compile: bool,
     stop_after: int | None = None,
+    state: DecodeState | None = None,
+    packed_attention: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The project's decoding loop: (sequences [B, L], positions [3, B, L], log-probs [B, grid tokens]), CPU.
 
@@ -331,14 +388,16 @@ def _decode_loop(
     drawn but never fed back, as in generate(). Every step's inputs are fixed-shape buffers updated in place,
     so that `compile` can capture the decoding step as one graph (torch.compile; "reduce-overhead", i.e. CUDA
     graphs, on CUDA); sampling stays eager so that the draws are generate()'s. `stop_after` ends the loop
-    after that many draws (the later columns stay 0): `decode_first_tokens`.
+    after that many draws (the later columns stay 0): `decode_first_tokens`. `state`: the cache and step
+    kept from an earlier call of the same shape (`DecodeState`); `packed_attention`: the per-token steps
+    attend with `ar_attention.PACKED_GQA`.
     """
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     device = input_ids.device
     batch_size, num_prompt_tokens = input_ids.shape
     total_length = num_prompt_tokens + max_new_tokens
     forward_inputs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    step_mask, attend = _step_mask(model, attention_mask, total_length)  # refuses a model it cannot serve
+    step_mask, attend = decoding_mask(model, attention_mask, total_length)  # refuses a model it cannot serve
 
     prompt_positions, _ = model.model.get_rope_index(
         input_ids,
@@ -350,7 +409,7 @@ def _decode_loop(
     positions = torch.cat(
         [prompt_positions, image_token_positions(prompt_positions, attention_mask, grids.cpu())], dim=-1
     )
-    cache = _RolloutCache(config=model.config.get_text_config(decoder=True), max_cache_len=total_length)
+    cache, step_fn = cache_and_step(model, state, batch_size, total_length, compile, device)
     sequences = torch.cat([input_ids, input_ids.new_zeros(batch_size, max_new_tokens)], dim=1)
     log_probs = torch.zeros(batch_size, num_grid_tokens, dtype=torch.float32, device=device)
 
@@ -373,99 +432,25 @@ def _decode_loop(
     step_ids = input_ids.new_zeros(batch_size, 1)
     step_positions = positions.new_zeros(3, batch_size, 1)
     step_cache_position = torch.zeros(1, dtype=torch.long, device=device)
-
-    def decode_step(ids: Tensor, position_ids: Tensor, cache_position: Tensor, mask: Tensor) -> Tensor:
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            cache_position=cache_position,
-        )
-        return out.logits[:, -1].to(dtype=torch.float32, copy=True)
-
-    step_fn = _compiled_step(decode_step, device) if compile else decode_step
     last_step = max_new_tokens - 1 if stop_after is None else stop_after - 1
-    for step in range(max_new_tokens):
-        filtered = filtered_logits(logits, params)
-        tokens = torch.multinomial(torch.softmax(filtered, dim=-1), num_samples=1)
-        column = num_prompt_tokens + step
-        sequences[:, column] = tokens[:, 0]
-        if step < num_grid_tokens:
-            log_probs[:, step] = torch.log_softmax(filtered, dim=-1).gather(-1, tokens)[:, 0]
-        if step == last_step:
-            break
-        step_ids.copy_(tokens)
-        step_positions.copy_(positions[:, :, column : column + 1])
-        step_cache_position.fill_(column)
-        step_mask[:, 0, 0, column] = attend
-        logits = step_fn(step_ids, step_positions, step_cache_position, step_mask)
+    with packed_gqa(model) if packed_attention else contextlib.nullcontext():
+        for step in range(max_new_tokens):
+            filtered = filtered_logits(logits, params)
+            tokens = torch.multinomial(torch.softmax(filtered, dim=-1), num_samples=1)
+            column = num_prompt_tokens + step
+            sequences[:, column] = tokens[:, 0]
+            if step < num_grid_tokens:
+                log_probs[:, step] = torch.log_softmax(filtered, dim=-1).gather(-1, tokens)[:, 0]
+            if step == last_step:
+                break
+            step_ids.copy_(tokens)
+            step_positions.copy_(positions[:, :, column : column + 1])
+            step_cache_position.fill_(column)
+            step_mask[:, 0, 0, column] = attend
+            logits = step_fn(step_ids, step_positions, step_cache_position, step_mask)
     # As generate() records them: the last token is never fed back, so its column repeats the previous one.
     positions[:, :, -1] = positions[:, :, -2]
     return sequences.cpu(), positions.cpu(), log_probs.cpu()
-
-
-# The 4-D masks the decoding loop hands the model, by attention implementation: (the mask's dtype and fill,
-# the value that opens a column). SDPA takes a boolean mask (True = attend); eager attention adds the mask to
-# its scores, so it takes 0 to attend and the dtype's lowest value not to, as transformers builds it.
-ATTENTION_MASKS = ("sdpa", "eager")
-
-
-def _step_mask(model: nn.Module, attention_mask: Tensor, total_length: int) -> tuple[Tensor, bool | float]:
-    """The loop's [B, 1, 1, L] mask over the preallocated cache, open over the prompt's tokens, and the value
-    that opens a column, in the form the model's attention implementation takes (`ATTENTION_MASKS`)."""
-    implementation = model.config.get_text_config(decoder=True)._attn_implementation
-    if implementation not in ATTENTION_MASKS:
-        raise ValueError(
-            f"the decoding loop hands the model a 4-D mask, which attention '{implementation}' does not "
-            f"take; load the AR model with attn_implementation in {ATTENTION_MASKS}, or set "
-            "sampling.decoding=generate."
-        )
-    prompt = attention_mask.bool()
-    shape = (prompt.shape[0], 1, 1, total_length)
-    if implementation == "sdpa":
-        mask = torch.zeros(shape, dtype=torch.bool, device=prompt.device)
-        mask[:, 0, 0, : prompt.shape[1]] = prompt
-        return mask, True
-    closed = torch.finfo(model.dtype).min
-    mask = torch.full(shape, closed, dtype=model.dtype, device=prompt.device)
-    mask[:, 0, 0, : prompt.shape[1]] = torch.where(prompt, 0.0, closed)
-    return mask, 0.0
-
-
-class _AutocastStaticLayer(StaticLayer):
-    """transformers' `StaticLayer`, holding the values in the keys' dtype.
-
-    Under autocast (bf16 compute of fp32 weights, `trainer.mixed_precision=bf16`) GLM-Image's keys leave the
-    rotary embedding in float32 while the values leave their projection in bfloat16; `StaticLayer` allocates
-    both in the first keys' dtype and then refuses the values. Upcasting them is exact, and attention under
-    autocast casts both back to bf16, so it computes what it would with a growing cache of mixed dtypes.
-    Without autocast both already share a dtype and nothing changes.
-    """
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        return super().update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
-
-
-class _RolloutCache(StaticCache):
-    """The decoding loop's preallocated KV cache: `StaticCache` with `_AutocastStaticLayer` layers."""
-
-    def __init__(self, config, max_cache_len: int) -> None:
-        super().__init__(config=config, max_cache_len=max_cache_len)
-        if any(type(layer) is not StaticLayer for layer in self.layers):
-            kinds = sorted({type(layer).__name__ for layer in self.layers})
-            raise NotImplementedError(
-                f"the decoding loop's cache supports full-attention layers only, got {kinds}."
-            )
-        self.layers = [_AutocastStaticLayer(max_cache_len=max_cache_len) for _ in self.layers]
-
-
-def _compiled_step(decode_step, device: torch.device):
-    """torch.compile of the decoding step: CUDA graphs on CUDA ("reduce-overhead"), inductor elsewhere.
-    Fixed shapes (`dynamic=False`): one graph for every step of a rollout of a given batch and length."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    return torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=False)
 
 
 # ---------------------------------------------------------------------------------------------------------

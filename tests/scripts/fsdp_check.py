@@ -11,6 +11,7 @@ was sharded and how many of its trainable elements this rank held.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,8 @@ CONFIGS = {"dit": "t2i_training", "ar": "ar_training"}
 
 
 def main() -> None:
+    # A native abort (SIGABRT, SIGSEGV) prints every thread's Python stack first: the rank's log says where.
+    faulthandler.enable(all_threads=True)
     out, kind, runs = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     config = CONFIGS[kind]
     report = {}

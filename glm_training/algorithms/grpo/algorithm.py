@@ -9,7 +9,10 @@ GSPO's sequence-level ratios (`algo.importance_sampling_level=sequence`, arXiv 2
 aggregation, optional k3 KL to the reference. Old log-probs are teacher-forced under the weights that
 sampled, over the very micro-batches the update uses, and every policy pass (sampling, old log-probs,
 update, reference) runs under `Policy.precision()`: so the first ratio is exactly 1, under bf16 too; the
-log-probs recorded during sampling are kept as a check (`sampling_logp_max_diff`).
+log-probs recorded during sampling are compared with them (`sampling_logp_mean_diff`,
+`sampling_logp_max_diff`) and, with `algo.rollout_is_threshold`, weight the loss by verl's truncated
+importance sampling (`rollout_is.py`). `sampling.sampler` picks who samples: the policy module, or the folded
+sampler (`pipeline/ar_sampler.py`).
 
 Dynamic sampling (DAPO's, `algo.dynamic_sampling`) is `dynamic_sampling.py`.
 """
@@ -31,6 +34,7 @@ from glm_training.algorithms.grpo.log_probs import (
     split_samples,
     teacher_forced_log_probs,
 )
+from glm_training.algorithms.grpo.rollout_is import mismatch_stats, rollout_is_stats, rollout_is_weights
 from glm_training.algorithms.losses import (
     clipped_policy_loss,
     k3_kl,
@@ -45,6 +49,7 @@ from glm_training.engine.collect import Batch
 from glm_training.engine.parts import Parts
 from glm_training.pipeline.ar import ARSamples, sample_image_tokens
 from glm_training.pipeline.ar_logits import resolve_sampling_params
+from glm_training.pipeline.ar_sampler import FoldedSampler
 from glm_training.pipeline.dit import prompt_seed, render_with_pipeline, seeded_latents
 from glm_training.rewards.combine import ScoringQueue
 
@@ -88,6 +93,7 @@ class GRPO(Algorithm):
         self.sampling_params, described = resolve_sampling_params(pipe, s.temperature, s.top_p, s.top_k)
         logger.info(described)
         self.pad_token_id = pipe.processor.tokenizer.pad_token_id
+        self.sampler = FoldedSampler(self.policy.trainable, s.compile) if s.sampler == "folded" else None
         self.dynamic = (
             DynamicSampling(cfg, self.collector, self.rollout, self.advantages)
             if a.dynamic_sampling
@@ -126,14 +132,20 @@ class GRPO(Algorithm):
         """This rank's image tokens from the policy, with the log-probs of sampling (the rollout's first
         half: `train_joint.py` renders them with the DiT it trains)."""
         s, policy = self.cfg.sampling, self.policy
+        texts = [group_prompts[g].text for g in group_ids]
+        seed = self.collector.sample_seed(step, round_index)
+        if self.sampler is not None:
+            with policy.precision():
+                pipe = policy.wrapper.pipeline
+                return self.sampler.sample(pipe, texts, s.height, s.width, self.sampling_params, seed)
         with policy.precision(), policy.parallel.sampling(policy.trainable):
             return sample_image_tokens(
                 policy.wrapper.pipeline,
-                [group_prompts[g].text for g in group_ids],
+                texts,
                 s.height,
                 s.width,
                 self.sampling_params,
-                seed=self.collector.sample_seed(step, round_index),
+                seed=seed,
                 decoding=s.decoding,
                 static_cache=s.static_cache,
                 compile=s.compile,
@@ -199,33 +211,60 @@ class GRPO(Algorithm):
             if a.beta > 0:
                 with self.policy.reference_model() as reference:
                     ref = [teacher_forced_log_probs(reference, mb, params) for mb in micro]
-        diff = max(
-            (o.cpu() - mb.sampling_log_probs).abs()[mb.completion_mask].max().item()
-            for o, mb in zip(old, micro)
-        )
+        mismatch, is_weights = self._sampler_mismatch(old, micro)
 
         def micro_steps(mini: list[int]):
             weights = self._aggregation_weights([micro[m] for m in mini])
             for pos, m in enumerate(mini):
                 adv = batch.advantages[offsets[m] : offsets[m + 1]].to(self.device)
                 reference = ref[m] if ref is not None else None
+                tis = is_weights[m] if a.rollout_is else None
                 yield functools.partial(
-                    self.loss_and_backward, micro[m], old[m], reference, adv, weights[pos]
+                    self.loss_and_backward, micro[m], old[m], reference, adv, weights[pos], tis
                 )
 
         update = self.updates.run(len(micro), micro_steps, num_samples=len(records))
         out = dict(update.means)
         out["grad_norm"] = update.grad_norm
-        out["sampling_logp_max_diff"] = diff
+        out.update(mismatch)
         out["num_samples"] = float(len(records))
         return self.collector.mean_over_ranks(out)
 
+    def _sampler_mismatch(
+        self, old: list[torch.Tensor], micro: list[ARSamples]
+    ) -> tuple[dict[str, float], list[torch.Tensor | None]]:
+        """The sampler's log-probs against the learner's old ones (`rollout_is.py`): the mean and max gap
+        over the sampled tokens, and each micro-batch's truncated importance weights (None unless
+        `algo.rollout_is_threshold` is set), with verl's statistics of them."""
+        threshold = self.cfg.algo.rollout_is_threshold
+        total, count, largest, weights = 0.0, 0, 0.0, []
+        for o, mb in zip(old, micro):
+            sampler, mask = mb.sampling_log_probs.to(o.device), mb.completion_mask.to(o.device)
+            gap_sum, gap_max = mismatch_stats(o, sampler, mask)
+            total, count = total + float(gap_sum), count + int(mask.sum())
+            largest = max(largest, float(gap_max))
+            weights.append(None if threshold is None else rollout_is_weights(o, sampler, mask, threshold))
+        stats = {"sampling_logp_mean_diff": total / max(count, 1), "sampling_logp_max_diff": largest}
+        if threshold is not None:
+            masks = torch.cat([mb.completion_mask.reshape(-1) for mb in micro])
+            flat = torch.cat([w.reshape(-1).cpu() for w in weights])
+            stats.update(rollout_is_stats(flat, masks, threshold))
+        return stats, weights
+
     def loss_and_backward(
-        self, mb: ARSamples, old: torch.Tensor, ref: torch.Tensor | None, adv: torch.Tensor, weight: float
+        self,
+        mb: ARSamples,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        adv: torch.Tensor,
+        weight: float,
+        is_weights: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """Token-level (or GSPO sequence-level) clipped loss of one micro-batch; backward of `weight` x it.
 
-        `weight` is the micro-batch's share of its mini-batch's aggregate (`_aggregation_weights`).
+        `weight` is the micro-batch's share of its mini-batch's aggregate (`_aggregation_weights`);
+        `is_weights` [B, T]: verl's truncated importance weights, multiplying the per-token loss after the
+        clips (`algo.rollout_is`).
         """
         a = self.cfg.algo
         aggregate = AGGREGATIONS[a.loss_aggregation]
@@ -240,6 +279,8 @@ class GRPO(Algorithm):
                 else {}
             )
             per_token = policy_loss_fn(new, old, adv, mask, a.epsilon_low, a.epsilon_high, **verl_options)
+            if is_weights is not None:
+                per_token = per_token * is_weights
             policy_loss = aggregate(per_token, mask)
             kl = (
                 aggregate(k3_kl(new, ref, low_var_clamp=a.kl_low_var_clamp), mask)

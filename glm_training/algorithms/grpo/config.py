@@ -9,6 +9,7 @@ from glm_training.config.options import RUN_NAME_HELP, _check, _check_choice, ch
 from glm_training.config.run import AlgoConfig, RunConfig
 
 DECODING_PATHS = ("loop", "generate")  # pipeline/ar.py DECODING_PATHS
+SAMPLERS = ("policy", "folded")  # pipeline/ar_sampler.py SAMPLERS
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # algorithm.py IMPORTANCE_SAMPLING
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # algorithm.py AGGREGATIONS
 
@@ -58,6 +59,19 @@ class ARSamplingConfig:
             "use and for every new batch size or resolution. The same tokens for the same seed."
         ),
     )
+    sampler: str = option(
+        "policy",
+        (
+            "Who draws the tokens (pipeline/ar_sampler.py). policy: the training module, LoRA layers "
+            "computing their adapters. folded: a sampler apart from the learner, each LoRA adapter folded "
+            "into a sampling copy of its layer (W + scale B A, refreshed before every rollout), so the "
+            "decoding step runs the plain model and compiles into one graph with sampling.compile=true; "
+            "prompts are left-padded to a multiple of 64 tokens. It draws from the policy's distribution "
+            "up to float rounding: the learner still teacher-forces the old log-probs (first ratio exactly "
+            "1) and sampling_logp_mean_diff / sampling_logp_max_diff log the gap. Needs LoRA and "
+            "trainer.strategy=ddp; holds a copy of the adapted weights."
+        ),
+    )
     dit_num_steps: int = option(
         4, "denoising steps of the frozen DiT that renders each sample for the reward"
     )
@@ -92,6 +106,12 @@ class ARSamplingConfig:
             self.decoding == "loop" or not self.compile,
             "sampling.compile",
             "compiles the decoding loop's step; set sampling.decoding=loop, or sampling.compile=false.",
+        )
+        _check_choice(self.sampler, SAMPLERS, "sampling.sampler")
+        _check(
+            self.sampler == "policy" or self.decoding == "loop",
+            "sampling.sampler",
+            "folded decodes with the decoding loop; set sampling.decoding=loop.",
         )
         _check(self.dit_num_steps >= 1, "sampling.dit_num_steps", "must be >= 1.")
         _check_choice(self.dit_noise_seed, ("step", "prompt"), "sampling.dit_noise_seed")
@@ -142,6 +162,18 @@ class DAPOConfig(AlgoConfig):
         "verl's low_var_kl: the k3 log-ratio clamped to [-20, 20] and the estimate to [-10, 10]. false = "
         "TRL's unclamped k3",
     )
+    rollout_is_threshold: float | None = option(
+        None,
+        "verl's rollout importance sampling, token level, truncate mode (TIS): each token's weight "
+        "min(p_learner / p_sampler, threshold) over the sampler-learner mismatch "
+        "(algorithms/grpo/rollout_is.py); logs rollout_is_mean and rollout_is_ratio_fraction_high. "
+        "null = off (verl's default; verl suggests 1.5-5 at token level)",
+    )
+    rollout_is: bool = option(
+        False,
+        "multiply each token's policy loss by that weight (verl's algorithm.rollout_is); false = measure "
+        "only. Needs algo.rollout_is_threshold",
+    )
     scale_rewards: str = option("group", "advantage scaling: group | batch | none")
     micro_batch_size: int = option(4, "samples per forward/backward pass of the AR model")
     dynamic_sampling: bool = option(
@@ -190,6 +222,17 @@ class DAPOConfig(AlgoConfig):
             "the dual clip and the log-ratio clamp act on token ratios; with importance_sampling_level="
             "sequence (GSPO) set algo.clip_ratio_c and algo.log_ratio_clamp to null.",
         )
+        _check(
+            self.rollout_is_threshold is None or self.rollout_is_threshold > 1,
+            "algo.rollout_is_threshold",
+            f"must be > 1 (verl suggests 1.5-5 at token level) or null, got {self.rollout_is_threshold}.",
+        )
+        _check(
+            not self.rollout_is or self.rollout_is_threshold is not None,
+            "algo.rollout_is",
+            "applies the truncated importance weights, which algo.rollout_is_threshold sets; set it (e.g. "
+            "algo.rollout_is_threshold=2.0), or algo.rollout_is=false.",
+        )
         _check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1.")
         _check(self.max_resample_rounds >= 0, "algo.max_resample_rounds", "must be >= 0.")
         _check_choice(self.on_budget_exhausted, ("warn", "error"), "algo.on_budget_exhausted")
@@ -210,4 +253,16 @@ class ARTrainConfig(RunConfig):
             "sampling.compile",
             "is not supported with trainer.strategy=fsdp (sharded weights are gathered into new buffers, "
             "which compiled CUDA graphs do not follow); set sampling.compile=false.",
+        )
+        _check(
+            self.sampling.sampler == "policy" or self.model.lora.enabled,
+            "sampling.sampler",
+            "folded folds LoRA adapters into a sampling copy, and model.lora.enabled is false; enable LoRA, "
+            "or set sampling.sampler=policy (sampling.compile=true compiles the full model's decoding step).",
+        )
+        _check(
+            self.sampling.sampler == "policy" or self.trainer.strategy == "ddp",
+            "sampling.sampler",
+            "folded keeps whole copies of the adapted weights, which trainer.strategy=fsdp shards; set "
+            "trainer.strategy=ddp, or sampling.sampler=policy.",
         )
