@@ -27,6 +27,10 @@ throughput), the sections in order of value (`SECTIONS`; `--sections` picks some
 6. `pipeline`: one text-to-image call at each size: the project's decoding loop (compiled where it compiled
    in 5) writes the prior tokens, the pipeline's DiT and VAE turn them into pixels.
 
+`--profile SECTION ...` runs the training steps (`dit`, `ar`) or one more warm call of the compiled decoding
+loop (`decoding`) under `torch.profiler` and writes its kernel table as `profile_<section>.txt`;
+`--packed-attention` times the decoding loop with the folded sampler's attention (`pipeline/ar_attention.py`).
+
 `--toy` keeps one layer per stack (the real widths: the `model=glm_image_shape` fixture's layout) and 64x64
 images, so the same code runs on a CPU (in float32 where the CPU has no native bf16).
 
