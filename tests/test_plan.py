@@ -9,6 +9,7 @@ import torch
 from diffusers import GlmImagePipeline
 
 from glm_training.config import ConfigError, load_config
+from glm_training.models.folded_lora import FoldedLoRA
 from glm_training.models.lora import add_lora_adapters
 from glm_training.models.wrapper import enable_gradient_checkpointing
 from glm_training.plan import (
@@ -267,3 +268,18 @@ def test_gradient_checkpointing_gives_the_plain_gradients(tiny_model_dir, compon
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     # And it really checkpoints in eval mode (transformers' layers alone would not): less is saved.
     assert saved_b < 0.8 * saved_a, (saved_a, saved_b)
+
+
+def test_the_folded_sampler_plans_the_copies_it_allocates(tiny_model_dir):
+    """The plan's term equals what `FoldedLoRA` allocates on the loaded tiny model (its attention
+    projections' weights, in the model's dtype); the policy sampler plans none."""
+    folded = ["model.lora.enabled=true", "sampling.sampler=folded"]
+    terms = _terms(build_plan(_cfg("model=tiny", "ar", folded)))
+    module = GlmImagePipeline.from_pretrained(tiny_model_dir).vision_language_encoder
+    cfg = _cfg("model=tiny", "ar", folded)
+    add_lora_adapters(module, cfg.model.lora)
+    allocated = sum(linear.weight.nbytes for linear in FoldedLoRA(module).folded)
+    assert terms["folded sampling copies"] == allocated > 0
+    assert "folded sampling copies" not in _terms(
+        build_plan(_cfg("model=tiny", "ar", ["model.lora.enabled=true"]))
+    )

@@ -80,16 +80,20 @@ def numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def lora_targets(module: nn.Module, targets: list[str]) -> list[nn.Linear]:
+    """Every Linear whose name matches a target (peft's rule: the full name, or its last components, equal
+    the target)."""
+    return [
+        sub
+        for name, sub in module.named_modules()
+        if isinstance(sub, nn.Linear)
+        and any(name == t or name.endswith("." + t) or fnmatch.fnmatch(name, t) for t in targets)
+    ]
+
+
 def lora_params(module: nn.Module, targets: list[str], rank: int) -> int:
-    """Parameters of peft LoRA adapters r x (in + out) on every Linear whose name matches a target (peft's
-    rule: the full name, or its last components, equal the target)."""
-    total = 0
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.Linear) and any(
-            name == t or name.endswith("." + t) or fnmatch.fnmatch(name, t) for t in targets
-        ):
-            total += rank * (sub.in_features + sub.out_features)
-    return total
+    """Parameters of peft LoRA adapters r x (in + out) on every targeted Linear."""
+    return sum(rank * (sub.in_features + sub.out_features) for sub in lora_targets(module, targets))
 
 
 def not_loaded(cfg: Any) -> set[str]:

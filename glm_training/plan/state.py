@@ -16,7 +16,7 @@ from torch import nn
 
 from glm_training.config.algorithms import algorithm_of
 from glm_training.models.halves import ModelHalf
-from glm_training.plan.components import DTYPE_BYTES, lora_params, not_loaded, numel
+from glm_training.plan.components import DTYPE_BYTES, lora_params, lora_targets, not_loaded, numel
 from glm_training.plan.report import Term, format_count
 
 
@@ -94,6 +94,11 @@ def trained_state_terms(cfg: Any, trained: nn.Module, half: ModelHalf, shard: in
         terms.append(Term(name, copy_bytes / shard, "copy of the trained weights"))
     if has_reference(cfg):
         terms.append(_reference_term(cfg, trained, shard))
+    if getattr(getattr(cfg, "sampling", None), "sampler", "policy") == "folded":
+        # The folded sampler's copies (pipeline/ar_sampler.py): each adapted weight, whole, held all run.
+        targets = lora_targets(trained, list(cfg.model.lora.target_modules))
+        folded = sum(sub.weight.numel() for sub in targets) * DTYPE_BYTES[cfg.model.dtype]
+        terms.append(Term("folded sampling copies", folded, "sampling.sampler=folded"))
     return terms
 
 
