@@ -21,6 +21,7 @@ from glm_training.plan import (
     meta_components,
     saved_tensor_bytes,
 )
+from glm_training.plan.cli import main as plan_main
 
 GB = 10**9
 
@@ -283,3 +284,24 @@ def test_the_folded_sampler_plans_the_copies_it_allocates(tiny_model_dir):
     assert "folded sampling copies" not in _terms(
         build_plan(_cfg("model=tiny", "ar", ["model.lora.enabled=true"]))
     )
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--config", "recipes/flow_grpo_fast"], "recipes/flow_grpo_fast_ocr"),  # no such recipe: the list
+        (
+            ["--config", "recipes/flow_grpo_fast_ocr", "trainer.num_stepz=3"],
+            "Did you mean 'trainer.num_steps'",
+        ),
+    ],
+)
+def test_the_plan_command_answers_a_user_error_in_one_line(argv, names, capsys):
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and names in err and err.count("\n") == 1
+
+
+def test_the_plan_command_says_what_the_usable_memory_is(capsys):
+    assert plan_main(["--config", "recipes/flow_grpo_fast_ocr", "--gpu-memory-gb", "80"]) == 0
+    assert "of 67.06 GiB usable" in capsys.readouterr().out  # 80e9 bytes x max_memory_fraction 0.9

@@ -68,7 +68,7 @@ class MemoryPlan:
         lines = [f"memory plan per rank ({self.component}, {self.strategy}, world size {self.world_size}):"]
         lines += [_row(t) for t in self.static]
         lines += [_row(t) for t in (self.activations, self.activations_other, self.rollout) if t is not None]
-        room = f" of {format_gib(self.device_bytes)}" if self.device_bytes else ""
+        room = f" of {format_gib(self.device_bytes)} usable" if self.device_bytes else ""
         lines.append(f"  {'predicted peak':<34} {format_gib(self.peak):>9}{room}")
         return "\n".join(lines)
 
