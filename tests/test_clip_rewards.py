@@ -18,6 +18,7 @@ from transformers import CLIPModel, CLIPProcessor
 import glm_training.rewards.aesthetic
 import glm_training.rewards.clip_score
 import glm_training.rewards.pickscore  # noqa: F401  (imported to register the rewards)
+from glm_training.errors import UserError
 from glm_training.rewards.clip_base import ClipEmbedder
 from glm_training.rewards.registry import build_reward
 
@@ -192,9 +193,11 @@ def test_bad_head_files(clip_dir, tmp_path):
         build_reward("aesthetic", clip_model=str(clip_dir), head=str(tmp_path / "missing.pth"))
     with pytest.raises(FileNotFoundError, match="not an existing file, nor of the hub form"):
         build_reward("aesthetic", clip_model=str(clip_dir), head="head.pth")
-    # A hub file that is not in the (offline) cache: the error says how to get it.
-    with pytest.raises(FileNotFoundError, match="hf download nobody/none-such head.pth"):
+    # A hub file that is not in the (offline) cache: the error says how to get it, and is a user error (the
+    # entry points print it as one message and exit 2).
+    with pytest.raises(FileNotFoundError, match="hf download nobody/none-such head.pth") as err:
         build_reward("aesthetic", clip_model=str(clip_dir), head="nobody/none-such/head.pth")
+    assert isinstance(err.value, UserError)
 
 
 def test_head_from_hub_cache(clip_dir, tmp_path, monkeypatch):

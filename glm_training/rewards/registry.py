@@ -19,9 +19,16 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
+from glm_training.errors import UserError
+
 _REGISTRY: dict[str, type[Reward]] = {}
 
 RewardT = TypeVar("RewardT", bound="type[Reward]")
+
+
+class RewardWeightsError(UserError, FileNotFoundError):
+    """A reward model's weight file is neither a local file nor in the hub cache; the message says how to
+    get it."""
 
 
 class Reward(abc.ABC):
@@ -165,10 +172,10 @@ def resolve_weight_file(spec: str, *, what: str, example: str) -> Path:
     if local.is_file():
         return local
     if local.is_absolute() or spec.startswith((".", "~")):
-        raise FileNotFoundError(f"{what} '{spec}' does not exist")
+        raise RewardWeightsError(f"{what} '{spec}' does not exist")
     parts = spec.split("/")
     if len(parts) < 3 or not all(parts):
-        raise FileNotFoundError(
+        raise RewardWeightsError(
             f"{what} {spec!r} is not an existing file, nor of the hub form 'owner/repo/filename' "
             f"(e.g. {example!r}); give a local file path or a hub file"
         )
@@ -178,7 +185,7 @@ def resolve_weight_file(spec: str, *, what: str, example: str) -> Path:
     try:
         return Path(hf_hub_download(repo_id=repo_id, filename=filename))
     except Exception as err:  # hub errors have many types (offline, missing entry, network, auth)
-        raise FileNotFoundError(
+        raise RewardWeightsError(
             f"{what} {spec!r} is not a local file and could not be fetched as {filename!r} from the hub "
             f"repo {repo_id!r}: {err}\nFix: download it once with `hf download {repo_id} {filename}` on a "
             "machine with network access (HF_HUB_OFFLINE=1 reads only the cache), or pass a local file path"
