@@ -12,6 +12,7 @@ A component that a run does not need can be left out (`skip_components`): a DiT 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from glm_training.errors import UserError
 from glm_training.models.halves import HALVES, model_half
 from glm_training.models.placement import PlacementPlan, pipeline_load_kwargs, run_stage
 
@@ -60,6 +62,27 @@ def model_path(model_cfg: Any) -> str:
     return resolve_model_path(model_cfg.name, model_cfg.tiny_seed, shape_layers)
 
 
+class ModelNotAvailableError(UserError, OSError):
+    """`model.name` is neither a local folder nor a complete copy in the hub cache that can be reached."""
+
+
+def _from_pretrained(path: str, kwargs: dict[str, Any]):
+    """`GlmImagePipeline.from_pretrained`; a hub id it cannot load (not cached, offline) is a user error."""
+    from diffusers import GlmImagePipeline
+
+    try:
+        return GlmImagePipeline.from_pretrained(path, **kwargs)
+    except OSError as err:
+        if Path(path).is_dir():
+            raise
+        raise ModelNotAvailableError(
+            f"cannot load model '{path}': it is not a local folder, and not fully in the hub cache "
+            f"({'HF_HUB_OFFLINE=1' if os.environ.get('HF_HUB_OFFLINE') == '1' else 'no network'}). Fix: "
+            f"download it once with `hf download {path}` on a machine with network access, or set "
+            "model.name to the folder of a local copy."
+        ) from err
+
+
 class GLMImageWrapper:
     """Load a `GlmImagePipeline` and expose its trainable component and its frozen components.
 
@@ -91,7 +114,6 @@ class GLMImageWrapper:
         trained = model_half(component).attribute  # ValueError naming the halves for another name
         if device_map == "auto":
             device_map = "balanced"
-        from diffusers import GlmImagePipeline
 
         bad = [c for c in skip_components if c not in MODEL_COMPONENTS or c == trained]
         if bad:
@@ -111,7 +133,7 @@ class GLMImageWrapper:
         kwargs.update(dict.fromkeys(self.skipped + ((trained,) if build_empty else ())))
         self.pipeline = run_stage(
             f"from_pretrained {path} (device_map={device_map})",
-            lambda: GlmImagePipeline.from_pretrained(path, **kwargs),
+            lambda: _from_pretrained(path, kwargs),
             stage_timeout_s,
         )
         if build_empty is not None:
