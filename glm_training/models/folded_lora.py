@@ -54,10 +54,12 @@ class FoldedLoRA:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Each copy := W + scale * B A of its layer's current adapter weights (float32 sum, W's dtype)."""
+        """Each copy := W + scale * B A of its layer's current adapter weights (float32 sum, W's dtype),
+        outside any autocast (the rollout runs under the policy's), so B A is not rounded to bf16 first."""
         for (_, layer), linear in zip(self.layers, self.folded):
             weight = layer.get_base_layer().weight
-            delta = layer.get_delta_weight(ADAPTER).float()
+            with torch.autocast(weight.device.type, enabled=False):
+                delta = layer.get_delta_weight(ADAPTER).float()
             linear.weight.copy_(weight.float() + delta)
 
     @contextlib.contextmanager
