@@ -178,3 +178,13 @@ def test_verl_loss_options_are_checked():
         load_config(["algo.clip_ratio_c=0.5"], "ar_training")
     with pytest.raises(ConfigError, match="algo.clip_ratio_c.*GSPO"):
         load_config(["algo.importance_sampling_level=sequence", "algo.clip_ratio_c=3.0"], "ar_training")
+
+
+def test_compile_blocks_is_the_dit_s():
+    with pytest.raises(ConfigError, match="model.compile_blocks.*sampling.compile=true"):
+        load_config(["model.compile_blocks=true"], "ar_training")
+    assert load_config(["model.compile_blocks=true"], "t2i_training").model.compile_blocks
+    with pytest.raises(ConfigError, match="model.compile_blocks.*model.gradient_checkpointing=false"):
+        load_config(["model.compile_blocks=true", "model.gradient_checkpointing=true"], "t2i_training")
+    joint = load_config(["model.compile_blocks=true"], "joint_training")
+    assert joint.half("dit").model.compile_blocks and not joint.half("ar").model.compile_blocks

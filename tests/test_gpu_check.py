@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from glm_training import gpu_check
+from glm_training.gpu_check.settings import RECIPES
 from glm_training.pipeline.ar import DECODING_PATHS
 
 pytestmark = pytest.mark.slow
@@ -35,13 +36,25 @@ def _lines(folder) -> list[dict]:
 def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
     # One batch size and one decoding path (the paths give the same tokens: tests/test_ar_logprobs.py). One
     # torch thread, the suite's (conftest.py): the other cores run the other test workers.
+    # The recipes section with one recipe the dit section does not train (CFG-free, another objective).
     argv = ["--device", "cpu", "--toy", "--batch-sizes", "1", "--decoding", "loop", "--output", str(tmp_path)]
+    argv += ["--recipes", "nft_ocr:sampling.num_steps=3"]
     assert gpu_check.main(argv) == 0
 
     # One line a stage, in the order of value, each complete JSON written when its stage ended.
     lines = _lines(tmp_path)
     sections = [line["section"] for line in lines]
-    assert sections == ["environment", "seeds", "build", "dit", "ar", "decoding", "decoding", "pipeline"]
+    assert sections == [
+        "environment",
+        "seeds",
+        "build",
+        "dit",
+        "ar",
+        "recipes",
+        "decoding",
+        "decoding",
+        "pipeline",
+    ]
     assert all(line["ok"] and _positive(line["seconds"]) for line in lines)
     assert [line["wall_seconds"] for line in lines] == sorted(line["wall_seconds"] for line in lines)
 
@@ -66,6 +79,17 @@ def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
         assert _positive(step["plan_peak_gib"]) and _positive(step["trainable_params"])
     assert _positive(report["training"]["dit"]["update_flops"])
 
+    (row,) = report["recipes"]  # the recipe's micro-batch of 3, its own algorithm, the override last
+    assert (row["recipe"], row["spec"], row["samples"], row["num_steps"]) == (
+        "recipes/nft_ocr",
+        "nft_ocr:sampling.num_steps=3",
+        3,
+        1,
+    )
+    phases = row["phases"]
+    assert row["images_per_s"] == 3 / (phases["rollout"]["seconds"] + phases["update"]["seconds"]) > 0
+    assert math.isfinite(row["loss"])
+
     (rollout,) = report["decoding"]  # the eager loop at batch 1; --compile is off by default on a CPU
     assert (rollout["decoding"], rollout["batch"], rollout["num_steps"]) == ("loop", 1, 8)
     assert report["run"]["decoding_paths"] == ["loop"] and report["run"]["compile"] is False
@@ -79,7 +103,8 @@ def test_toy_run_on_the_cpu_writes_every_section(tmp_path):
     assert all(_positive(call[k]) for k in ("ar_seconds", "dit_seconds", "peak_memory_gib"))
 
     markdown = (tmp_path / "gpu_check.md").read_text()
-    for heading in ("Targets", "Seed checks", "One LoRA training step", "AR decoding", "Text to image"):
+    headings = ("Targets", "Seed checks", "One LoRA training step", "Images per GPU-second", "AR decoding")
+    for heading in (*headings, "Text to image"):
         assert f"#### {heading}" in markdown
     assert "Stage errors" not in markdown
     assert markdown.count("| pass |") == 4
@@ -92,6 +117,7 @@ def test_defaults_and_settings_errors():
     real = gpu_check.parse_settings(["--device", "cpu"])
     assert (real.sizes, real.batch_sizes, real.decode_steps, real.train_size) == ((1024,), (1, 16), 128, 1024)
     assert real.sections == gpu_check.SECTIONS and real.decoding_paths == tuple(DECODING_PATHS)
+    assert real.recipes == RECIPES and "dapo_aesthetic_alignment" in RECIPES
     assert real.compile is False  # on by default on CUDA only
     picked = gpu_check.parse_settings(["--device", "cpu", "--sections", "pipeline", "seeds", "--compile"])
     assert picked.sections == ("seeds", "pipeline") and picked.compile  # always in the order of value

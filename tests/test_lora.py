@@ -8,6 +8,7 @@ on each half: the project's LoRA path must not go through them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from glm_training.models.lora import (
     PEFT_WEIGHTS_FILE,
+    adapter_inputs_uncast,
     adapters_disabled,
     add_lora_adapters,
     merge_lora_adapters,
@@ -142,3 +144,66 @@ def test_lora_init_weights_are_peft_s_own(tiny_model_dir, init, peft_init):
     a = next(p for n, p in got.items() if "lora_A" in n)
     if init == "gaussian":  # N(0, 1/r): std 0.25 at r = 4, beyond the Kaiming-uniform bound of these widths
         assert a.abs().max() > 1 / a.shape[1] ** 0.5
+
+
+def _adapted_mlp() -> torch.nn.Module:
+    """A bf16 two-layer block with float32 LoRA adapters (B non-zero), as the trainers hold them."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential()
+    mlp.add_module("to_q", torch.nn.Linear(16, 32))
+    mlp.add_module("act", torch.nn.GELU())
+    mlp.add_module("to_v", torch.nn.Linear(32, 8))
+    mlp = mlp.to(torch.bfloat16)
+    add_lora_adapters(mlp, LORA)
+    for name, p in mlp.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return mlp
+
+
+def _forward_backward(mlp, uncast: bool):
+    """(output, input gradient, adapter gradients) of one bf16-autocast pass, and the casts it launched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCasts.casts += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    mlp.zero_grad(set_to_none=True)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+    with CountCasts(), torch.autocast("cpu", torch.bfloat16):
+        with adapter_inputs_uncast(mlp, "cpu") if uncast else contextlib.nullcontext():
+            out = mlp(x)
+        out.float().square().sum().backward()
+    grads = [p.grad.clone() for p in mlp.parameters() if p.requires_grad]
+    return out.detach(), x.grad, grads, CountCasts.casts
+
+
+def test_adapter_inputs_uncast_computes_the_same_numbers_with_fewer_casts():
+    """Under autocast, skipping peft's cast of a LoRA input to the float32 adapters' dtype changes no number:
+    bf16 -> float32 is exact and autocast casts it back to bf16 for the matmul. So both passes run the same
+    matmul kernels on the same values, and outputs and gradients are compared bit for bit."""
+    mlp = _adapted_mlp()
+    out, x_grad, grads, casts = _forward_backward(mlp, uncast=False)
+    out_u, x_grad_u, grads_u, casts_u = _forward_backward(mlp, uncast=True)
+    assert torch.equal(out, out_u) and torch.equal(x_grad, x_grad_u)
+    assert len(grads) == 4 and all(torch.equal(a, b) for a, b in zip(grads, grads_u, strict=True))
+    # Two adapted layers, two casts each way: the input to float32 and back to bf16, then their gradients.
+    assert casts - casts_u >= 8, (casts, casts_u)
+    assert all(layer.cast_input_dtype_enabled for _, layer in tuner_layers(mlp))  # restored
+
+
+def test_adapter_inputs_stay_cast_outside_autocast_and_for_other_adapter_dtypes():
+    mlp = _adapted_mlp()
+    with adapter_inputs_uncast(mlp, "cpu"):  # no autocast: peft's cast is what makes bf16 x meet fp32 A
+        assert all(layer.cast_input_dtype_enabled for _, layer in tuner_layers(mlp))
+        assert mlp(torch.ones(2, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    for name, p in mlp.named_parameters():
+        if "to_v.lora" in name:
+            p.data = p.data.half()  # neither float32 nor the autocast dtype: the cast would change values
+    with torch.autocast("cpu", torch.bfloat16), adapter_inputs_uncast(mlp, "cpu"):
+        flags = {name: layer.cast_input_dtype_enabled for name, layer in tuner_layers(mlp)}
+    assert flags == {"to_q": False, "to_v": True}

@@ -69,3 +69,25 @@ def test_policy_precision_is_bf16_autocast(tmp_path, trainer_cls):
     layer = torch.nn.Linear(4, 4)
     with trainer.policy.precision():
         assert layer(torch.ones(1, 4)).dtype == torch.bfloat16  # the unprepared module computes in bf16 too
+
+
+def test_policy_precision_skips_peft_s_input_casts_under_bf16(tmp_path):
+    """LoRA with float32 adapters under bf16 autocast: the adapted layers leave their inputs in bf16
+    (`models.lora.adapter_inputs_uncast`, bit-identical) inside `precision()` only."""
+    from glm_training.models.lora import tuner_layers
+
+    cfg = load_config(
+        [
+            *DIT_SMALL,
+            "model.lora.enabled=true",
+            "trainer.mixed_precision=bf16",
+            f"trainer.output_dir={tmp_path}",
+        ],
+        "t2i_training",
+    )
+    trainer = DiTTrainer(cfg)
+    layers = [layer for _, layer in tuner_layers(trainer.policy.trainable)]
+    assert layers and all(layer.cast_input_dtype_enabled for layer in layers)
+    with trainer.policy.precision():
+        assert not any(layer.cast_input_dtype_enabled for layer in layers)
+    assert all(layer.cast_input_dtype_enabled for layer in layers)

@@ -184,7 +184,8 @@ class JointTrainConfig:
             )
             return ARTrainConfig(
                 run_name=f"{self.run_name}-ar",
-                model=dataclasses.replace(self.model, lora=self.ar.lora),
+                # model.compile_blocks compiles the DiT's blocks: the DiT half's
+                model=dataclasses.replace(self.model, lora=self.ar.lora, compile_blocks=False),
                 data=DataConfig(d.prompt_file, d.num_priors, d.num_groups_per_step),
                 reward=self.ar_reward,
                 sampling=sampling,

@@ -86,6 +86,13 @@ class ModelConfig:
     gradient_checkpointing: bool = option(
         False, "recompute activations in the backward pass (less memory, more time)"
     )
+    compile_blocks: bool = option(
+        False,
+        (
+            "torch.compile each DiT block (diffusers' compile_repeated_blocks) for the rollout and the "
+            "update: fused kernels, once per input shape (about a minute a graph on an H200); the DiT only"
+        ),
+    )
     shape_num_ar_layers: int = option(
         1,
         (
@@ -130,6 +137,14 @@ class ModelConfig:
             f"must be in [0.1, 1.0], got {self.max_memory_fraction}.",
         )
         _check(self.stage_timeout_s > 0, "model.stage_timeout_s", "must be > 0 seconds.")
+        _check(
+            not (self.compile_blocks and self.gradient_checkpointing),
+            "model.compile_blocks",
+            "compiled blocks under gradient checkpointing fail on CUDA in bf16 (torch.utils.checkpoint: "
+            "'Recomputed values ... have different metadata'; torch 2.11, H200): set "
+            "model.gradient_checkpointing=false where the memory plan allows it "
+            "(`python -m glm_training.plan`), or model.compile_blocks=false.",
+        )
         for key in ("shape_num_ar_layers", "shape_num_dit_layers"):
             _check(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}.")
 

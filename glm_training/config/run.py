@@ -138,6 +138,12 @@ class RunConfig:
             _check(self.component == own, "component", _COMPONENT_ERRORS[own])
         self._check_precision()
         self._check_algorithm()
+        _check(
+            not self.model.compile_blocks or self.component == "dit",
+            "model.compile_blocks",
+            "compiles the DiT's blocks; the AR model compiles its decoding step instead: "
+            "sampling.sampler=folded sampling.compile=true.",
+        )
 
     def _check_precision(self) -> None:
         m = self.model

@@ -24,11 +24,12 @@ from glm_training.distributed.loading import empty_trained_component, local_pipe
 from glm_training.engine.ema import EMASchedule
 from glm_training.frozen_weights import apply_weights_source, frozen_weight_sources
 from glm_training.models.halves import ModelHalf, model_half
-from glm_training.models.lora import adapters_disabled, add_lora_adapters
+from glm_training.models.lora import adapter_inputs_uncast, adapters_disabled, add_lora_adapters
 from glm_training.models.master_weights import computing_like_masters, master_names, upcast_trained_
 from glm_training.models.placement import describe_module, run_stage
 from glm_training.models.wrapper import (
     GLMImageWrapper,
+    compile_blocks,
     enable_gradient_checkpointing,
     load_for_training,
     resolve_model_path,
@@ -178,6 +179,12 @@ class Policy:
         module.eval()  # no dropout: the recomputed log-probs must equal the rollout's
         if self.cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(module)  # works in eval mode too
+        if self.cfg.model.compile_blocks:
+            logger.info(
+                "[load] %s: %d blocks compiled (model.compile_blocks)",
+                self.half.attribute,
+                compile_blocks(module),
+            )
         if sum(p.numel() for p in module.parameters() if p.requires_grad) == 0:
             raise ValueError(
                 f"no trainable parameters in the {self.component} model: model.lora.target_modules="
@@ -228,6 +235,7 @@ class Policy:
     def trained_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.trainable.parameters() if p.requires_grad]
 
+    @contextlib.contextmanager
     def precision(self):
         """The numeric precision of every pass of the policy: sampling, old log-probs, update, reference.
 
@@ -235,8 +243,11 @@ class Policy:
         they compute in the same precision by construction: an unprepared module (the frozen reference copy
         of full fine-tuning, the policy called outside `model`) would otherwise run in its parameters'
         dtype while the prepared policy runs under autocast, and the first ratio / KL would not be exact.
+        Under autocast the LoRA layers skip peft's cast of their input (`adapter_inputs_uncast`: the same
+        numbers, two copies fewer per layer).
         """
-        return self.accelerator.autocast()
+        with self.accelerator.autocast(), adapter_inputs_uncast(self.trainable, self.device.type):
+            yield
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)

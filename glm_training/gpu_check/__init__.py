@@ -21,10 +21,13 @@ throughput), the sections in order of value (`SECTIONS`; `--sections` picks some
    prior cache (`data.prior_cache`) hands them over, so the step times the DiT alone;
 4. `ar`: one GRPO/DAPO LoRA step of the AR model (`recipes/dapo_aesthetic_alignment`): seconds
    and peak memory next to the plan;
-5. `decoding`: AR decoding tokens/s over a fixed number of steps (`pipeline.ar.decode_first_tokens`) at each
+5. `recipes`: images per GPU-second of each recipe (`settings.RECIPES`, or those `--recipes` names, each
+   optionally with `:key=value` overrides): one step of the recipe's own algorithm and settings on a group
+   of its micro-batch (two steps, the second timed, for the AR recipes);
+6. `decoding`: AR decoding tokens/s over a fixed number of steps (`pipeline.ar.decode_first_tokens`) at each
    batch size, for every path in `DECODING_PATHS` (or those `--decoding` names) and, with `--compile`
    (default on CUDA), the loop's compiled step (CUDA graphs), next to the memory-bandwidth roofline;
-6. `pipeline`: one text-to-image call at each size: the project's decoding loop (compiled where it compiled
+7. `pipeline`: one text-to-image call at each size: the project's decoding loop (compiled where it compiled
    in 5) writes the prior tokens, the pipeline's DiT and VAE turn them into pixels.
 
 `--profile SECTION ...` runs the training steps (`dit`, `ar`) or one more warm call of the compiled decoding
@@ -41,6 +44,7 @@ The modules, one concept each:
 - `build`: the model built on the device with random weights (how the weights are made), its logits check;
 - `seeds`: the four seed checks;
 - `training`: the training steps through the project's trainers around the in-memory pipeline;
+- `recipes`: which step each recipe's row trains, and its images per GPU-second;
 - `decoding`: AR decoding speed against its roofline, the text-to-image call;
 - `report`: the stages and the files they land in; `markdown`: the tables and the targets;
 - `cli`: `main`, the run stage by stage (`__main__` calls it).

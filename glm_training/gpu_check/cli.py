@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             with report.stage(name, component) as out:
                 out.update(train_step(component, pipe, s, matmul, spec))
                 report.data["training"][component] = out
+    if "recipes" in s.sections:
+        run_recipes(report, pipe, matmul, spec)
     if "decoding" in s.sections:
         run_decoding(report, pipe, bandwidth)
     if "pipeline" in s.sections:
@@ -90,6 +92,7 @@ def run_record(s: Settings) -> dict[str, Any]:
         "overrides": s.overrides,
         "profile": s.profile,
         "packed_attention": s.packed_attention,
+        "recipes": s.recipes,
         "model": f"GLM-Image widths, {_depth(s)} ({layers}), random weights, {dtype}",
     }
 
@@ -138,6 +141,17 @@ def run_build(report: Report):
         if not out["ar_logits"]["finite"]:
             raise FloatingPointError("the AR model's logits are not finite after initialisation")
     return pipe
+
+
+def run_recipes(report: Report, pipe, matmul: float | None, spec: float | None) -> None:
+    """One stage per recipe (`gpu_check.recipes`): a training step and its images per GPU-second."""
+    from glm_training.gpu_check.recipes import recipe_row
+
+    s = report.settings
+    for name in s.recipes:
+        with report.stage(f"recipe {name} {s.train_size}x{s.train_size}", "recipes") as out:
+            out.update(recipe_row(name, pipe, s, matmul, spec))
+            report.data["recipes"].append(out)
 
 
 def run_decoding(report: Report, pipe, bandwidth: float | None) -> None:

@@ -95,6 +95,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         "",
         *_training_lines(data),
         "",
+        *(_recipe_lines(data["recipes"]) + [""] if data.get("recipes") else []),
         *_decoding_lines(data),
         "",
         *_pipeline_lines(data),
@@ -159,9 +160,10 @@ def _training_lines(data: dict[str, Any]) -> list[str]:
         "Driven by `Trainer(cfg, pipeline=...).train()` for one step, handed the in-memory pipeline "
         "(no checkpoint written); the DiT's prior tokens are seeded random codebook ids, as a prior cache "
         f"hands them over. Peak memory: {source}, over the step; the plan is `glm_training.plan`'s "
-        "prediction for the same config. DiT update FLOPs: 4 N T per policy forward (+2 N T per reference "
-        "forward), N = the DiT's linear weights, T = latent tokens: a lower bound (no attention scores, no "
-        "checkpointing recompute). MFU against the data sheet's dense bf16 peak.",
+        "prediction for the same config. DiT update FLOPs (`training.dit_update_flops`): linear layers "
+        "(2 N T a forward, N = the DiT's linear weights, T = latent tokens) and attention (4 T² d L), a "
+        "policy forward with its backward, a reference forward without; the recompute of gradient "
+        "checkpointing apart (in the HFU, not the MFU). MFU against the data sheet's dense bf16 peak.",
     ]
 
 
@@ -206,4 +208,27 @@ def _pipeline_lines(data: dict[str, Any]) -> list[str]:
             "peak (GiB): | finite",
             pipeline,
         ),
+    ]
+
+
+def _recipe_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The markdown section of the `recipes` rows."""
+    lines = [
+        f"{r['spec']} | {r['component']} | {r['samples']} | {r['num_steps']} | "
+        f"{_f(r['phases']['rollout']['seconds'], 2)} | {_f(r['phases']['update']['seconds'], 2)} | "
+        f"{_f(r['images_per_s'], 3)} | {_f(r['peak_memory_gib'], 2)} | {_f(r.get('ratio_mean'), 6)}"
+        for r in rows
+    ]
+    return [
+        "#### Images per GPU-second, one step of each recipe",
+        "",
+        *_table(
+            "recipe | half | samples: | steps: | rollout (s): | update (s): | images / GPU-s: | peak (GiB): "
+            "| ratio mean:",
+            lines,
+        ),
+        "",
+        "One group of the recipe's micro-batch (DiT) or 4 samples over two steps, the second timed (AR); "
+        "images / GPU-s = samples / (rollout + update) of the timed step. Ratio mean: over the timed step's "
+        "mini-batches (1 on the first, on-policy one).",
     ]

@@ -33,7 +33,7 @@ class Report:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        sections = ("stages", "errors", "checks", "pipeline", "decoding")
+        sections = ("stages", "errors", "checks", "pipeline", "decoding", "recipes")
         self.data: dict[str, Any] = {**{name: [] for name in sections}, "training": {}}
         self.started = time.perf_counter()
         settings.output.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,25 @@ logger = logging.getLogger("glm_training.gpu_check")
 
 DESCRIPTION = "One-command check of the GPU path: speed, memory and placement of GLM-Image at its real depth."
 PROMPT = 'A red apple on a wooden table, a sign reading "GLM" behind it, soft studio light'
-SECTIONS = ("seeds", "dit", "ar", "decoding", "pipeline")  # in order of value; the environment always runs
-PROFILED = ("dit", "ar", "decoding")  # sections --profile can run under torch.profiler
+SECTIONS = (
+    "seeds",
+    "dit",
+    "ar",
+    "recipes",
+    "decoding",
+    "pipeline",
+)  # in order of value; the environment always runs
+PROFILED = ("dit", "ar", "decoding")
+# The `recipes` section's rows by default (`gpu_check.recipes`): one of each objective; the joint run and the
+# GSPO recipe (DAPO's costs with another loss) are left out.
+RECIPES = (
+    "flow_grpo_fast_ocr",
+    "flow_grpo_ocr",
+    "nft_ocr",
+    "awm_ocr",
+    "dgpo_ocr",
+    "dapo_aesthetic_alignment",
+)  # sections --profile can run under torch.profiler
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class Settings:
     overrides: dict[str, list[str]] = field(default_factory=dict)  # per half: --dit-overrides, --ar-overrides
     profile: tuple[str, ...] = ()  # PROFILED sections run under torch.profiler (--profile)
     packed_attention: bool = False  # the decoding loop's steps attend with ar_attention.PACKED_GQA
+    recipes: tuple[str, ...] = ()  # the `recipes` section's rows: recipe names, each with `:key=value`s
     seed: int = 0
     layers: dict[str, int] = field(default_factory=dict)  # ar, vision, dit, glyph
 
@@ -93,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         help="run these under torch.profiler and write its kernel table as profile_<section>.txt: the "
         "training step (dit, ar), or one more warm call of the compiled decoding loop at the largest batch "
         "(decoding)",
+    )
+    add(
+        "--recipes",
+        nargs="+",
+        metavar="NAME[:KEY=VALUE...]",
+        help="the recipes section's rows: recipes of configs/recipes/, each optionally with config overrides "
+        "after colons (default: gpu_check.settings.RECIPES, one of each objective)",
     )
     for half in ("dit", "ar"):
         add(
@@ -157,6 +182,7 @@ def parse_settings(argv: list[str] | None) -> Settings:
         overrides={"dit": args.dit_overrides, "ar": args.ar_overrides},
         profile=tuple(args.profile),
         packed_attention=args.packed_attention,
+        recipes=tuple(args.recipes or RECIPES),
         output=args.output,
         layers={name: 1 for name in real} if args.toy else real,
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +83,18 @@ class RandomPriors:
         return torch.randint(self.vocab, (len(texts), self.length), generator=generator)
 
 
-def training_config(component: str, settings: Settings, output_dir: Path):
-    """The recipe of `component`'s half, shrunk to one step of one group of two samples (module docstring)."""
+DEFAULT_RECIPES = {"dit": "recipes/flow_grpo_fast_ocr", "ar": "recipes/dapo_aesthetic_alignment"}
+
+
+def training_config(
+    component: str, settings: Settings, output_dir: Path, recipe: str | None = None, extra: Sequence[str] = ()
+):
+    """`recipe` (default: the half's `DEFAULT_RECIPES`) shrunk to one step of one group of two samples
+    (module docstring); `extra` overrides come last."""
     from glm_training.config import load_config
 
+    shrink = settings.toy and recipe is None  # the toy's shorter schedules; a recipe row keeps its own
+    recipe = recipe or DEFAULT_RECIPES[component]
     size = settings.train_size
     overrides = [
         *COMMON_OVERRIDES,
@@ -102,32 +110,38 @@ def training_config(component: str, settings: Settings, output_dir: Path):
         f"trainer.mixed_precision={'bf16' if bf16 else 'no'}",
     ]
     if component == "dit":
-        recipe = "recipes/flow_grpo_fast_ocr"
-        if settings.toy:
+        if shrink:
             overrides += [
                 "sampling.num_steps=2",
                 "sampling.sde_window_size=1",
                 "sampling.sde_window_range=[0,1]",
             ]
     else:
-        recipe = "recipes/dapo_aesthetic_alignment"
         # The toy on a CPU: one DiT step, and no compiling (minutes at the real widths on a CPU).
         toy = ["sampling.dit_num_steps=1", "sampling.compile=false"] if settings.toy else []
         overrides += ["algo.micro_batch_size=2", *toy]
-    overrides += settings.overrides.get(component, [])
+    overrides += [*settings.overrides.get(component, []), *extra]
     return recipe, load_config(config=recipe, overrides=overrides)
 
 
 def train_step(
-    component: str, pipe, settings: Settings, matmul_flops: float | None, spec_flops: float | None
+    component: str,
+    pipe,
+    settings: Settings,
+    matmul_flops: float | None,
+    spec_flops: float | None,
+    recipe: str | None = None,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One training step of `component`'s half through its trainer: times, peak memory, the plan's figure.
+    """One training step of `component`'s half through its trainer (`recipe`, `extra`: see
+    `training_config`): times, peak memory, the plan's figure.
 
     The pipeline is handed back as it was (`_hand_back`) however the step ends."""
     trainer_cls = _in_memory_trainer()
     attribute = "transformer" if component == "dit" else "vision_language_encoder"
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        recipe, cfg = training_config(component, settings, Path(tmp) / "run")
+        section_step = recipe is None  # the dit / ar section's own step, not a recipe row
+        recipe, cfg = training_config(component, settings, Path(tmp) / "run", recipe, extra)
         trainer = None
         try:
             priors = (
@@ -135,12 +149,13 @@ def train_step(
             )
             trainer = trainer_cls(cfg, pipe, priors)
             graphs = compiled_graphs()
-            profile = settings.output / f"profile_{component}.txt" if component in settings.profile else None
+            wanted = component in settings.profile and section_step
+            profile = settings.output / f"profile_{component}.txt" if wanted else None
             with profiled(settings.device, profile), measured(settings.device) as step:
                 trainer.train()
             graphs = compiled_graphs() - graphs
             result = _step_result(component, recipe, cfg, settings.train_size, trainer, step, graphs)
-            if component == "dit":
+            if component == "dit" and cfg.algo.name == "flow_grpo":  # the count is Flow-GRPO's update
                 seconds = trainer.phases["update"]["seconds"]
                 result.update(dit_update_flops(trainer, pipe, seconds, matmul_flops, spec_flops))
             return result
@@ -184,7 +199,7 @@ def _step_result(
 
 def _hand_back(pipe, attribute: str, trainer) -> None:
     """Hand the pipeline's `attribute` back as it was: no autocast wrapper, no adapters, no checkpointing,
-    frozen (`trainer` None: it was never built)."""
+    no compiled blocks, frozen (`trainer` None: it was never built)."""
     from glm_training.models.lora import merge_lora_adapters, tuner_layers
 
     module = getattr(pipe, attribute)
@@ -199,6 +214,8 @@ def _hand_back(pipe, attribute: str, trainer) -> None:
     ):
         if hasattr(module, off) and getattr(module, flag, False):
             getattr(module, off)()
+    for sub in module.modules():  # model.compile_blocks compiled them in place (nn.Module.compile)
+        sub._compiled_call_impl = None
     module.requires_grad_(False).eval()
     pipe.register_modules(**{attribute: module})
 
@@ -206,28 +223,39 @@ def _hand_back(pipe, attribute: str, trainer) -> None:
 def dit_update_flops(
     trainer, pipe, seconds: float, matmul_flops: float | None, spec_flops: float | None
 ) -> dict[str, Any]:
-    """Model FLOPs of the DiT update and its MFU.
+    """Model FLOPs of the DiT update and its MFU, counted in full: linear layers and attention, with the
+    recompute of gradient checkpointing apart.
 
-    FLOPs = tokens x N x (4 per policy forward: 2 forward + 2 for the input gradients of the frozen weights;
-    2 per reference forward), N = the DiT's matmul weights (every nn.Linear), tokens = latent tokens of an
-    image.
-    Policy forwards = samples x trained steps x inner epochs, x2 with guidance (CFG's second pass); reference
-    forwards the same when beta > 0. LoRA's own gradients, attention scores and the recompute of gradient
-    checkpointing are left out: a lower bound of the work done, so the MFU is too.
+    Per forward of one image: linear 2 N T (N = the DiT's matmul weights, every nn.Linear; T = latent
+    tokens of an image), attention 4 T² d L (scores and values; d = heads x head dim, L = blocks). A policy
+    forward adds its backward: the input gradients of the frozen weights, 2 N T, and attention's 8 T² d L;
+    a reference forward (beta > 0) is a forward. Policy forwards = samples x trained steps x
+    inner epochs, x2 with guidance (CFG's second pass). Gradient checkpointing recomputes each policy
+    forward: `recompute_flops`, in the hardware FLOPs (`hfu`), not in the MFU. Left out: LoRA's own
+    matmuls, the text tokens' share of attention, elementwise work; so the MFU is a lower bound.
+    `mfu_linear` counts the linear layers alone (the figure before attention was counted).
     """
     cfg = trainer.cfg
     dit = pipe.transformer
     n = sum(m.weight.numel() for m in dit.modules() if isinstance(m, nn.Linear))
     patch = dit.config.patch_size * pipe.vae_scale_factor
     tokens = (cfg.sampling.height // patch) * (cfg.sampling.width // patch)
+    width = dit.config.num_attention_heads * dit.config.attention_head_dim
+    linear, attention = 2 * n * tokens, 4 * tokens**2 * width * len(dit.transformer_blocks)
     cfg_passes = 2 if cfg.sampling.guidance_scale > 1 else 1
     steps = int(trainer.update_stats.get("num_train_steps", 0))
     forwards = cfg.data.per_rank_samples(1) * steps * cfg.algo.num_inner_epochs * cfg_passes
-    flops = forwards * tokens * n * (4 + (2 if cfg.algo.beta > 0 else 0))
-    achieved = flops / seconds
+    reference = 1 if cfg.algo.beta > 0 else 0
+    flops = forwards * (linear * (2 + reference) + attention * (3 + reference))
+    recompute = forwards * (linear + attention) if cfg.model.gradient_checkpointing else 0
+    linear_only = forwards * linear * (2 + reference)
     return {
         "update_flops": flops,
-        "update_flops_per_s": achieved,
-        "mfu": achieved / spec_flops if spec_flops else None,
-        "of_measured_matmul": achieved / matmul_flops if matmul_flops else None,
+        "update_flops_per_s": flops / seconds,
+        "attention_share": attention / (linear + attention),
+        "recompute_flops": recompute,
+        "mfu": flops / seconds / spec_flops if spec_flops else None,
+        "hfu": (flops + recompute) / seconds / spec_flops if spec_flops else None,
+        "mfu_linear": linear_only / seconds / spec_flops if spec_flops else None,
+        "of_measured_matmul": flops / seconds / matmul_flops if matmul_flops else None,
     }

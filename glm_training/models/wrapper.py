@@ -289,3 +289,20 @@ def enable_gradient_checkpointing(module: nn.Module) -> int:
     for layer in layers:
         layer.register_forward_pre_hook(follow_grad_mode)
     return len(layers)
+
+
+def compile_blocks(module: nn.Module) -> int:
+    """torch.compile each repeated block of the DiT in place (diffusers' `compile_repeated_blocks`), so that
+    each block's norms, modulations, casts and adapters run as fused kernels; returns how many blocks.
+
+    The blocks share one forward, so a graph compiled once serves all of them; a new input shape or grad mode
+    (the rollout's no-grad CFG batch, the update's micro-batch) compiles once more. Gradient checkpointing
+    recomputes the compiled block."""
+    blocks = getattr(module, "_repeated_blocks", None)
+    if not blocks or not hasattr(module, "compile_repeated_blocks"):
+        raise ValueError(
+            f"model.compile_blocks: {type(module).__name__} names no repeated blocks to compile; "
+            "it applies to the DiT (sampling.compile compiles the AR model's decoding step)."
+        )
+    module.compile_repeated_blocks()
+    return sum(type(m).__name__ in blocks for m in module.modules())
