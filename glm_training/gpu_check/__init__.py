@@ -6,9 +6,9 @@ Made for one 80 GB GPU: all the sections take about 9 minutes (the recipes 3.5 o
 It downloads nothing and writes, under `--output`, `gpu_check.jsonl` (one line per finished stage, flushed and
 synced at once, so that a run stopped at a time limit keeps every finished stage), `gpu_check.json`
 (everything) and `gpu_check.md` (the tables for docs/benchmarks.md, targets first); a temporary folder it
-removes holds a 1 MB tiny GLM-Image for the seed checks and the trainers' config and metrics files. It exits 1 when a check
-fails or a stage raises. After the environment (device, driver, versions, measured copy bandwidth and matmul
-throughput), the sections in order of value (`SECTIONS`; `--sections` picks some):
+removes holds a 1 MB tiny GLM-Image for the seed checks and the trainers' config and metrics files. It exits 1
+when a check fails or a stage raises. After the environment (device, driver, versions, measured copy bandwidth
+and matmul throughput), the sections in order of value (`SECTIONS`; `--sections` picks some):
 
 1. `seeds`: the lessons of the project's four seed bugs, checked on the device through the project's own code
    (`models/placement.py`, `models/wrapper.py`, `distributed/collectives.py`) on the tiny model;
