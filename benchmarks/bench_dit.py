@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glm_training.algorithms.flow_grpo.rollout import sample_trajectory
+from glm_training.algorithms.decoder.trajectory import sample_trajectory
 from glm_training.config import BUNDLED_PROMPTS, load_config  # noqa: E402
 from glm_training.models.wrapper import resolve_model_path  # noqa: E402
 from glm_training.pipeline.dit import build_guidance_inputs, generate_prior_tokens, glm_image_schedule

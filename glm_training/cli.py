@@ -34,7 +34,8 @@ def run(trainer_cls: type | str, default_config: str, argv: list[str] | None = N
     `trainer_cls`: "dit" or "ar" (the trainer of the config's algorithm, for that half), "joint" (both
     halves, `train_joint.py`), a trainer class, or its "module:Class" path.
     """
-    from glm_training.config import build_trainer, compose_config, parse_command_line
+    from glm_training.build import build_trainer
+    from glm_training.config import compose_config, parse_command_line
 
     def main() -> str:
         command = parse_command_line(sys.argv[1:] if argv is None else argv, default_config)

@@ -29,6 +29,7 @@ from glm_training.evaluation import (
     write_evaluation,
 )
 from glm_training.rewards.combine import RewardSet
+from glm_training.text_benchmarks.data import BENCHMARKS
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -54,10 +55,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=None,
         help="evaluate the EMA weights (default: when the checkpoint has them, as training-time eval does)",
     )
+    # Shown in --help; `main` hands a command line with --benchmark to `text_benchmarks.run`, which reads it.
+    bench = parser.add_argument_group(
+        "text-rendering benchmarks (--benchmark; docs/usage.md)",
+        "Generate each prompt's images with --checkpoint / --config weights (or score existing --images) and "
+        "score them as the benchmark's official script does; writes benchmark.json, benchmark.png, images/.",
+    )
+    bench.add_argument("--benchmark", choices=BENCHMARKS, help="the benchmark: cvtg2k or longtext")
+    bench.add_argument("--data", help="the benchmark's released data folder (required with --benchmark)")
+    bench.add_argument("--images", help="score the images in this folder (the benchmark's layout) instead")
+    bench.add_argument("--limit", type=int, help="only the first N prompts (default: all)")
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
         parser.error(f"unknown option(s) {unknown}; config overrides are key=value, e.g. eval.seed=1")
+    given = [f"--{k}" for k in ("data", "images", "limit") if getattr(args, k) is not None]
+    if given:
+        parser.error(
+            f"{' '.join(given)}: options of the benchmark mode; add --benchmark {{{','.join(BENCHMARKS)}}}"
+        )
     if bool(args.checkpoint) == bool(args.config):
         parser.error("give --checkpoint (trained weights) or --config (the base model), not both or neither")
     return args, overrides

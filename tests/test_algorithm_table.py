@@ -21,15 +21,16 @@ from glm_training.algorithms.base import Algorithm as AlgorithmBase
 from glm_training.algorithms.decoder.forward_math import noised_latents
 from glm_training.algorithms.decoder.ode import keep_for_update, sample_ode
 from glm_training.algorithms.decoder.rollout import DecoderRollout
+from glm_training.algorithms.decoder.sde import LOG_PROBS
+from glm_training.algorithms.decoder.trajectory import SDE_STEPS
 from glm_training.algorithms.flow_grpo import config as flow_grpo_config
 from glm_training.algorithms.flow_grpo.algorithm import WINDOW_STARTS
 from glm_training.algorithms.flow_grpo.losses import KL_FNS, LOG_RATIOS
-from glm_training.algorithms.flow_grpo.rollout import SDE_STEPS
-from glm_training.algorithms.flow_grpo.sde import LOG_PROBS
 from glm_training.algorithms.grpo import config as grpo_config
 from glm_training.algorithms.grpo.algorithm import AGGREGATIONS, IMPORTANCE_SAMPLING
 from glm_training.algorithms.nft import config as nft_config
 from glm_training.algorithms.nft.losses import DECAY_SCHEDULES
+from glm_training.build import build_trainer
 from glm_training.cli import run
 from glm_training.config import (
     ALGORITHMS,
@@ -39,7 +40,6 @@ from glm_training.config import (
     DiffusionSamplingConfig,
     RunConfig,
     algorithm_of,
-    build_trainer,
     load_config,
     load_run_config,
     option,

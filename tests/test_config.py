@@ -69,6 +69,16 @@ def test_a_config_file_outside_configs_still_finds_the_model_group(tmp_path):
         # A misspelt choice: the closest name and all of them (never another algorithm's config).
         ("algo.name=flow_grop", "algo.name", "did you mean 'flow_grpo'? the algorithms: flow_grpo, nft, awm"),
         ("model=tinyy", "model", "did you mean 'tiny'? the options: glm_image, glm_image_shape, tiny."),
+        # TRL's / transformers' names for the common settings point to this project's.
+        ("max_steps=3", "max_steps", "TRL's / transformers' 'max_steps' here: trainer.num_steps."),
+        (
+            "trainer.save_total_limit=2",
+            "trainer.save_total_limit",
+            "'save_total_limit' here: trainer.keep_last.",
+        ),
+        ("learning_rate=1e-5", "learning_rate", "'learning_rate' here: optim.lr."),
+        ("report_to=wandb", "report_to", "'report_to' here: logging.tensorboard=true / logging.wandb=true."),
+        ("logging_steps=10", "logging_steps", "'logging_steps' here: none, every step's metrics are logged"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(override, key, fix):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import GlmImagePipeline
 
-from glm_training.algorithms.flow_grpo.rollout import sample_trajectory
+from glm_training.algorithms.decoder.trajectory import sample_trajectory
 from glm_training.config import load_config
 from glm_training.engine.trainer import DiTTrainer
 from glm_training.pipeline.dit import build_guidance_inputs, decode_latents, glm_image_schedule

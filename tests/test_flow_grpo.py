@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
+from glm_training.algorithms.decoder.sde import SDEStep, flow_sde_step
 from glm_training.algorithms.flow_grpo.losses import (
     KL_FNS,
     LOG_RATIOS,
@@ -22,7 +23,6 @@ from glm_training.algorithms.flow_grpo.losses import (
     random_window_start,
     velocity_kl,
 )
-from glm_training.algorithms.flow_grpo.sde import SDEStep, flow_sde_step
 
 
 def _latents(*values: float) -> torch.Tensor:

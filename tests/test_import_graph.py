@@ -96,7 +96,7 @@ LAYERS = [
     ("engine", {"engine"}),
     ("algorithms", {"algorithms"}),
     ("joint", {"joint"}),
-    ("tools", {"gpu_check", "cli", ""}),
+    ("tools", {"gpu_check", "cli", "build", ""}),
 ]
 
 

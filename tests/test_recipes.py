@@ -25,6 +25,7 @@ import yaml
 from conftest import REPO
 from omegaconf import OmegaConf
 
+from glm_training.build import build_trainer
 from glm_training.cli import REAL_MODEL, check_not_quick_start, recipes_by_algorithm, run
 from glm_training.config import (
     ALGORITHMS,
@@ -32,7 +33,6 @@ from glm_training.config import (
     ConfigError,
     algorithm_of,
     available_configs,
-    build_trainer,
     compose_config,
     load_config,
     parse_command_line,

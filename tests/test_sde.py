@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributions import Normal
 
-from glm_training.algorithms.flow_grpo.sde import cps_step, flow_sde_step, gaussian_log_prob
+from glm_training.algorithms.decoder.sde import cps_step, flow_sde_step, gaussian_log_prob
 from glm_training.pipeline.euler import ode_step
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # 0.91893853

@@ -162,3 +162,21 @@ def test_the_tiny_model_generates_the_benchmarks_layout_and_is_scored(cvtg, tmp_
     ]
     assert result["clip_score"] is None and "clip_score is null" in caplog.text
     assert summarise("cvtg2k", result["images"])["word_accuracy"] == result["word_accuracy"]
+    for what in ("generated", "scored"):  # progress through the images, up to the last
+        assert f"[benchmark] {what} 0 of 3 images" in caplog.text
+        assert f"[benchmark] {what} 3 of 3 images" in caplog.text
+
+
+def test_evaluate_help_shows_the_benchmark_mode_and_its_options_are_refused_without_it(capsys):
+    with pytest.raises(SystemExit) as shown:
+        evaluate_main(["--help"])
+    assert shown.value.code == 0
+    out = capsys.readouterr().out
+    assert "text-rendering benchmarks" in out
+    assert all(flag in out for flag in ("--benchmark {cvtg2k,longtext}", "--data", "--images", "--limit"))
+    with pytest.raises(SystemExit) as refused:
+        evaluate_main(["--config", "configs/t2i_training.yaml", "--data", "CVTG-2K", "--limit", "3"])
+    assert refused.value.code == 2
+    assert "--data --limit: options of the benchmark mode; add --benchmark {cvtg2k,longtext}" in (
+        capsys.readouterr().err
+    )

@@ -296,3 +296,19 @@ def test_wandb_offline_run_with_tensorboard_and_resume(tmp_path, wandb_offline):
     again.close()
     assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1
     assert (out / "wandb" / "run_id.txt").read_text().strip() == run_id
+
+
+@pytest.mark.parametrize(
+    ("config", "label"),
+    [
+        ("t2i_training", "dit flow_grpo"),
+        ("nft_training", "dit nft"),
+        ("ar_training", "ar grpo"),
+        ("joint_training", "joint grpo + flow_grpo"),
+    ],
+)
+def test_the_progress_bar_names_the_half_and_its_algorithm(config, label):
+    from glm_training.config import load_config
+    from glm_training.engine.reporting import progress_label
+
+    assert progress_label(load_config([], config)) == label

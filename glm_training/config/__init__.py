@@ -51,7 +51,6 @@ _EXPORTS: dict[str, str] = {
     "algorithm_named": "glm_training.config.algorithms",
     "algorithm_of": "glm_training.config.algorithms",
     "available_configs": "glm_training.config.loading",
-    "build_trainer": "glm_training.config.algorithms",
     "compose_config": "glm_training.config.loading",
     "config_to_yaml": "glm_training.config.loading",
     "load_config": "glm_training.config.loading",

@@ -18,7 +18,7 @@ from typing import Any
 
 from glm_training.config.model import ModelConfig
 from glm_training.config.options import ConfigError, _check_choice
-from glm_training.config.spec import ALGORITHMS, AlgorithmSpec, import_named
+from glm_training.config.spec import ALGORITHMS, AlgorithmSpec
 
 # The shipped algorithms: the package of each, whose `SPEC` is its row of the table.
 BUILTIN = (
@@ -31,12 +31,9 @@ BUILTIN = (
 
 # The algorithm a saved config without `algo.name` was trained with (configs from before the name existed).
 DEFAULT_ALGORITHM = {"dit": "flow_grpo", "ar": "grpo"}
-# The engine's trainer (`engine/trainer.py`), imported when training starts.
-TRAINER = "glm_training.engine.trainer:Trainer"
 # The schema of `train_joint.py`'s configs (`config/joint.py`: both halves, each with one of the algorithms).
 JOINT_SCHEMA = "joint_schema"
 JOINT_CONFIG = "joint_training"  # its tiny quick-start in configs/
-JOINT_TRAINER = "glm_training.joint.trainer:JointTrainer"
 
 
 def register_algorithm(algorithm: AlgorithmSpec) -> AlgorithmSpec:
@@ -80,20 +77,6 @@ def _get(node: Any, key: str, default: Any) -> Any:
     return getattr(node, key, default)
 
 
-def build_trainer(cfg: Any, component: str) -> Any:
-    """The trainer of `cfg`, for the entry point that trains `component` (`train_dit.py`: dit,
-    `train_joint.py`: joint); the engine builds the algorithm `algo.name` names."""
-    if cfg.component != component:
-        script = {"dit": "train_dit.py", "ar": "train_ar.py", "joint": "train_joint.py"}
-        what = "both halves" if cfg.component == "joint" else f"the {cfg.component} half"
-        raise ConfigError(
-            "component",
-            f"this config trains {what}; run it with {script[cfg.component]}, or give "
-            f"{script[component]} a {component} config.",
-        )
-    return import_named(JOINT_TRAINER if component == "joint" else TRAINER)(cfg)
-
-
 def register_configs() -> None:
     """Register every algorithm's run config in Hydra's ConfigStore; YAML files name them in defaults."""
     from hydra.core.config_store import ConfigStore
@@ -113,7 +96,6 @@ __all__ = [
     "BUILTIN",
     "algorithm_named",
     "algorithm_of",
-    "build_trainer",
     "register_algorithm",
     "register_configs",
 ]

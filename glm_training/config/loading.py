@@ -342,12 +342,43 @@ def _full_key(err: OmegaConfBaseException) -> str:
     return str(key)
 
 
+# Settings a TRL / transformers / diffusers user types, and where each one is here (a key this config does not
+# have: the names that exist, e.g. `eval.seed`, never reach this table).
+FAMILIAR_KEYS = {
+    "max_steps": "trainer.num_steps",
+    "num_train_epochs": "trainer.num_steps (a step is one rollout and its updates; there are no epochs)",
+    "learning_rate": "optim.lr",
+    "warmup_steps": "optim.warmup_steps",
+    "weight_decay": "optim.weight_decay",
+    "max_grad_norm": "optim.max_grad_norm",
+    "save_steps": "trainer.save_every",
+    "save_total_limit": "trainer.keep_last",
+    "eval_steps": "eval.every_n_steps",
+    "logging_steps": "none, every step's metrics are logged (metrics.jsonl, TensorBoard); image grids every "
+    "logging.images_every_n_steps",
+    "report_to": "logging.tensorboard=true / logging.wandb=true",
+    "output_dir": "trainer.output_dir",
+    "seed": "trainer.seed",
+    "bf16": "trainer.mixed_precision=bf16",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "per_device_train_batch_size": "data.num_groups_per_step x data.num_generations samples a step over "
+    "all ranks; images per forward: sampling.micro_batch_size (DiT) or algo.micro_batch_size (AR)",
+    "gradient_accumulation_steps": "algo.num_mini_batches (the optimizer steps a rollout's samples are "
+    "split into; each accumulates its micro-batches)",
+    "num_generations": "data.num_generations",
+    "beta": "algo.beta",
+    "epsilon": "algo.clip_range",
+}
+
+
 def _unknown_key_error(err: OmegaConfBaseException) -> ConfigError:
     full_key = _full_key(err)
     parent, _, leaf = full_key.rpartition(".")
     valid = _valid_keys(parent)
     close = difflib.get_close_matches(leaf, valid, n=1)
     hint = f" Did you mean '{(parent + '.') if parent else ''}{close[0]}'?" if close else ""
+    if leaf in FAMILIAR_KEYS:
+        hint = f" TRL's / transformers' '{leaf}' here: {FAMILIAR_KEYS[leaf]}."
     return ConfigError(
         full_key, f"no such key.{hint} Valid keys{' under ' + parent if parent else ''}: {valid}."
     )

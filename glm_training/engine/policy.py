@@ -211,7 +211,7 @@ class Policy:
     def _build_ema(self):
         """diffusers' `EMAModel` holds the shadow weights; `EMASchedule` updates them as the references do."""
         a = self.cfg.algo
-        if not getattr(a, "ema", False):
+        if not a.ema:
             return None, None
         from diffusers.training_utils import EMAModel
 

@@ -100,6 +100,14 @@ def best_and_worst(rewards: list[float], num_images: int) -> list[int]:
     return order[:half] + order[len(order) - half :] if half else order[:num_images]
 
 
+def progress_label(cfg: Any) -> str:
+    """What the progress bar names the run: the half and its algorithm (`dit flow_grpo`, `ar grpo`), or both
+    halves' algorithms in a joint run."""
+    if cfg.component == "joint":
+        return f"joint {cfg.ar.algo.name} + {cfg.dit.algo.name}"
+    return f"{cfg.component} {cfg.algo.name}"
+
+
 class Progress:
     """The progress bar (or a log line per step on rank 0 without one), tracker scalars, and every
     `logging.images_every_n_steps` steps a grid of the step's samples and one of its highest-reward samples
@@ -111,7 +119,6 @@ class Progress:
         tracker: Any,
         is_main: bool,
         start_step: int,
-        component: str,
         reward_keys: tuple[str, ...] = ("reward_mean",),
     ):
         self.cfg = cfg
@@ -123,7 +130,10 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(
-                total=cfg.trainer.num_steps, initial=start_step, desc=f"{component} GRPO", unit="step"
+                total=cfg.trainer.num_steps,
+                initial=start_step,
+                desc=progress_label(cfg),
+                unit="step",
             )
 
     def log(self, record: dict[str, Any], preview: tuple[list, list[str], list[float]] | None) -> None:

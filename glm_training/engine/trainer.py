@@ -39,6 +39,7 @@ from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
 from glm_training.plan import log_memory_plan
 from glm_training.preemption import StopSignals
+from glm_training.priors.source import PriorSource
 from glm_training.rewards.combine import RewardFuncs
 from glm_training.rewards.retry import RewardFailed
 from glm_training.tracking import build_tracker
@@ -67,7 +68,7 @@ class Trainer:
         reward_weights: list[float] | None = None,
         *,
         pipeline: Any = None,
-        priors: Any = None,
+        priors: PriorSource | None = None,
         algorithm: type | None = None,
         seed_stream: int = 0,
     ):
@@ -108,7 +109,7 @@ class Trainer:
             cfg, self.inputs, self.policy, self.tracker, self.output_dir, self._held_out_priors()
         )
 
-    def _held_out_priors(self) -> Any:
+    def _held_out_priors(self) -> PriorSource | FrozenPriors | None:
         """Where the evaluation's prior tokens come from: the cache, else, in a DiT run (whose AR model never
         trains), the AR model once per held-out prompt; None when the AR model trains (its evaluation samples
         anew each time)."""
@@ -179,9 +180,7 @@ class Trainer:
         signals = StopSignals()
         signals.install()
         skips = SkipCounter(cfg.max_consecutive_skips)
-        progress = Progress(
-            self.cfg, self.tracker, self.is_main, self.start_step, self.cfg.component, self.reward_keys
-        )
+        progress = Progress(self.cfg, self.tracker, self.is_main, self.start_step, self.reward_keys)
         failed = True
         try:
             if self.start_step == 0:

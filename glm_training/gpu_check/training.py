@@ -82,6 +82,9 @@ class RandomPriors:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         return torch.randint(self.vocab, (len(texts), self.length), generator=generator)
 
+    def initial_latents(self) -> None:
+        return None  # the rollout draws its own noise
+
 
 DEFAULT_RECIPES = {"dit": "recipes/flow_grpo_fast_ocr", "ar": "recipes/dapo_aesthetic_alignment"}
 

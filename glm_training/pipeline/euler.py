@@ -2,7 +2,7 @@
 
 Convention: ``x_s = (1 - s) * x0 + s * eps``; the model predicts the velocity ``v = eps - x0``; one step goes
 from sigma ``s`` to ``s_next < s``, so ``dt = s_next - s < 0``. Flow-GRPO's stochastic steps
-(`algorithms/flow_grpo/sde.py`) reduce to this step when their noise level is 0.
+(`algorithms/decoder/sde.py`) reduce to this step when their noise level is 0.
 """
 
 from __future__ import annotations

@@ -157,6 +157,10 @@ class PriorCache:
         """[B, L] the held-out prompts' tokens, as the evaluation would sample them live."""
         return torch.stack([self.tokens("eval", t, 0) for t in texts])
 
+    def initial_latents(self) -> None:
+        """The rollout draws its own initial noise (`priors.source.PriorSource`)."""
+        return None
+
 
 def open_for_dit_run(cfg: Any, prompts: Sequence[Any], eval_prompts: Sequence[Any]) -> PriorCache | None:
     """The run's checked cache (`data.prior_cache`), or None; every refusal comes before a model loads."""

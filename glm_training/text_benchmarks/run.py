@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -151,8 +152,10 @@ def _generate(args, overrides, prompts: list[BenchmarkPrompt], mine: list[tuple[
     pipeline = weights.load()
     device = dist.choose_device(dist.rank_info().local_rank)
     pipeline.to(device)
+    progress = Progress("generated", len(mine))
     for start in range(0, len(mine), sampling.batch_size):
         batch = mine[start : start + sampling.batch_size]
+        progress.update(start)
         for repeat in sorted({k for _, k, _ in batch}):
             same = [(i, path) for i, k, path in batch if k == repeat]
             texts = [prompts[i].prompt for i, _ in same]
@@ -160,6 +163,7 @@ def _generate(args, overrides, prompts: list[BenchmarkPrompt], mine: list[tuple[
             for (_, path), image in zip(same, images):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 image.save(path)
+    progress.update(len(mine))
     return weights.cfg
 
 
@@ -169,7 +173,9 @@ def _score(benchmark: str, prompts: list[BenchmarkPrompt], mine, cfg: Any) -> li
     reader = OcrReward(min_confidence=OCR_MIN_CONFIDENCE)
     clip = _clip_score(cfg) if benchmark == "cvtg2k" else None
     records = []
+    progress = Progress("scored", len(mine))
     for i, repeat, path in mine:
+        progress.update(len(records))
         prompt = prompts[i]
         image = Image.open(path).convert("RGB")
         recognised = reader.recognise(image)
@@ -183,7 +189,21 @@ def _score(benchmark: str, prompts: list[BenchmarkPrompt], mine, cfg: Any) -> li
             matched, total = longtext_counts(prompt.text, recognised, prompt.language)
             record.update(matched=matched, total=total)
         records.append(record)
+    progress.update(len(records))
     return records
+
+
+class Progress:
+    """This rank's progress through its images, logged about every 5 % (the real LongText set is 1,280
+    images at 1024²)."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.next = what, total, 0
+
+    def update(self, done: int) -> None:
+        if done >= self.next and self.total:
+            logger.info("[benchmark] %s %d of %d images on this rank", self.what, done, self.total)
+            self.next = done + max(1, self.total // 20) if done < self.total else math.inf
 
 
 def _clip_score(cfg: Any) -> Any:

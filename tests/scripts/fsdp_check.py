@@ -20,7 +20,8 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers.distributed.fsdp import is_fsdp_managed_module
 
-from glm_training.config import build_trainer, load_config
+from glm_training.build import build_trainer
+from glm_training.config import load_config
 from glm_training.distributed import collectives as dist
 from glm_training.errors import UserError
 from glm_training.models.halves import model_half

@@ -70,7 +70,7 @@ class DecoderRollout:
             s.width // pipe.vae_scale_factor,
         )
         # Initial noise from the priors when they fix it (a joint run's per-prompt groups), else drawn here.
-        fixed = self.priors.initial_latents() if hasattr(self.priors, "initial_latents") else None
+        fixed = self.priors.initial_latents() if self.priors is not None else None
         chunks, images = [], []
         for start in range(0, len(sample_prompts), s.micro_batch_size):
             chunk = sample_prompts[start : start + s.micro_batch_size]

@@ -25,6 +25,7 @@ import torch
 
 from glm_training.algorithms.base import Algorithm
 from glm_training.algorithms.decoder.rollout import DecoderRollout, decoder_advantages
+from glm_training.algorithms.decoder.trajectory import DiTTrajectory, recompute_step, sample_trajectory
 from glm_training.algorithms.flow_grpo.losses import (
     KL_FNS,
     LOG_RATIOS,
@@ -33,7 +34,6 @@ from glm_training.algorithms.flow_grpo.losses import (
     progressive_window_start,
     random_window_start,
 )
-from glm_training.algorithms.flow_grpo.rollout import DiTTrajectory, recompute_step, sample_trajectory
 from glm_training.algorithms.losses import clipped_policy_loss, ratio_stats
 from glm_training.engine.collect import Batch
 from glm_training.engine.parts import Parts

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from glm_training.algorithms.flow_grpo.sde import SDEStep
+from glm_training.algorithms.decoder.sde import SDEStep
 from glm_training.algorithms.losses import gaussian_mean_kl
 
 

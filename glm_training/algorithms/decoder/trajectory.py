@@ -1,8 +1,8 @@
-"""Flow-GRPO's rollout and its recomputation: the pipeline's denoising loop (`pipeline/dit.py`) with SDE steps
-inside the step's window that record the latents before and after, the transition mean and the log-prob of
-the step taken (`DiTTrajectory`), deterministic Euler steps elsewhere; `recompute_step` gives a recorded
-step's log-prob with gradients under the current policy. With noise level 0 it reproduces the pipeline's
-latents exactly."""
+"""The SDE rollout (Flow-GRPO's, shared by any decoder algorithm on sampled trajectories) and its
+recomputation: the pipeline's denoising loop (`pipeline/dit.py`) with SDE steps inside the step's window
+that record the latents before and after, the transition mean and the log-prob of the step taken
+(`DiTTrajectory`), deterministic Euler steps elsewhere; `recompute_step` gives a recorded step's log-prob
+with gradients under the current policy. With noise level 0 it reproduces the pipeline's latents exactly."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm_training.algorithms.flow_grpo.sde import SDEStep, cps_step, flow_sde_step
+from glm_training.algorithms.decoder.sde import SDEStep, cps_step, flow_sde_step
 from glm_training.pipeline.dit import VELOCITY_FNS, GuidanceInputs
 from glm_training.pipeline.euler import ode_step
 
