@@ -189,11 +189,12 @@ def test_a_wrong_resume_target_is_refused_before_anything_is_loaded_or_written(
 
 def test_a_hub_model_that_is_not_cached_is_one_message_naming_the_download(tmp_path, capsys):
     """Offline (the tests' HF_HUB_OFFLINE=1), a hub id with no cached copy: exit 2 with the command that gets
-    it, not diffusers' traceback."""
+    it, not diffusers' traceback, before anything loads or is written."""
     args = [*DIT_SMALL, "model.name=nobody/none-such", f"trainer.output_dir={tmp_path / 'out'}"]
     assert run(DiTTrainer, "t2i_training", args) == 2
     err = capsys.readouterr().err
     assert "error: cannot load model 'nobody/none-such'" in err and "`hf download nobody/none-such`" in err
+    assert "[load]" not in err and not (tmp_path / "out").exists()  # no config.yaml left behind
 
 
 @pytest.fixture(scope="module")

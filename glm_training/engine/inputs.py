@@ -12,6 +12,7 @@ from glm_training.checkpoint.resume import check_resume_target
 from glm_training.config import ConfigError
 from glm_training.data import load_prompts
 from glm_training.evaluation import check_eval_prompts, load_eval_prompts, text_recogniser, watched_reward_set
+from glm_training.models.wrapper import check_model_available
 from glm_training.priors import open_for_dit_run
 from glm_training.rewards import RewardSet
 from glm_training.rewards.combine import RewardFuncs, rewards_from_python
@@ -29,6 +30,7 @@ class RunInputs:
         self, cfg: Any, reward_funcs: RewardFuncs | None = None, reward_weights: list[float] | None = None
     ):
         check_resume_target(cfg.trainer.resume)
+        check_model_available(cfg.model.name)
         self.prompts = load_prompts(cfg.data.resolved_prompt_file())
         if reward_funcs is None:
             self.rewards = RewardSet(cfg.reward.weight_map(), cfg.reward.options, cfg.reward.combine)

@@ -66,6 +66,29 @@ class ModelNotAvailableError(UserError, OSError):
     """`model.name` is neither a local folder nor a complete copy in the hub cache that can be reached."""
 
 
+def _not_available(path: str) -> ModelNotAvailableError:
+    return ModelNotAvailableError(
+        f"cannot load model '{path}': it is not a local folder, and not fully in the hub cache "
+        f"({'HF_HUB_OFFLINE=1' if os.environ.get('HF_HUB_OFFLINE') == '1' else 'no network'}). Fix: "
+        f"download it once with `hf download {path}` on a machine with network access, or set "
+        "model.name to the folder of a local copy."
+    )
+
+
+def check_model_available(model_name: str) -> None:
+    """Before anything loads or is written: offline (`HF_HUB_OFFLINE=1`), a hub id whose pipeline index is
+    not in the hub cache is refused (`ModelNotAvailableError`). The fixtures and local folders pass; online,
+    from_pretrained downloads what is missing."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if model_name in ("tiny", "glm_image_shape") or Path(model_name).expanduser().exists():
+        return
+    if constants.HF_HUB_OFFLINE and not isinstance(
+        try_to_load_from_cache(model_name, "model_index.json"), str
+    ):
+        raise _not_available(model_name)
+
+
 def _from_pretrained(path: str, kwargs: dict[str, Any]):
     """`GlmImagePipeline.from_pretrained`; a hub id it cannot load (not cached, offline) is a user error."""
     from diffusers import GlmImagePipeline
@@ -75,12 +98,7 @@ def _from_pretrained(path: str, kwargs: dict[str, Any]):
     except OSError as err:
         if Path(path).is_dir():
             raise
-        raise ModelNotAvailableError(
-            f"cannot load model '{path}': it is not a local folder, and not fully in the hub cache "
-            f"({'HF_HUB_OFFLINE=1' if os.environ.get('HF_HUB_OFFLINE') == '1' else 'no network'}). Fix: "
-            f"download it once with `hf download {path}` on a machine with network access, or set "
-            "model.name to the folder of a local copy."
-        ) from err
+        raise _not_available(path) from err
 
 
 class GLMImageWrapper:
