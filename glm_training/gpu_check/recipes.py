@@ -31,8 +31,8 @@ def parse_recipe(spec: str) -> tuple[str, list[str]]:
     return f"recipes/{name}", overrides
 
 
-def recipe_run(spec: str) -> tuple[str, str, list[str], int]:
-    """(component, recipe, overrides, samples) of one row: the recipe's group size and step count added."""
+def recipe_run(spec: str) -> tuple[str, str, list[str]]:
+    """(component, recipe, overrides) of one row: the recipe's group size and step count added."""
     from glm_training.config import load_config
 
     recipe, overrides = parse_recipe(spec)
@@ -42,7 +42,7 @@ def recipe_run(spec: str) -> tuple[str, str, list[str], int]:
     else:
         samples, steps = AR_SAMPLES, 2
     sized = [f"data.num_generations={samples}", f"trainer.num_steps={steps}"]
-    return cfg.component, recipe, [*sized, *overrides], samples
+    return cfg.component, recipe, [*sized, *overrides]
 
 
 def images_per_second(result: dict[str, Any]) -> float:
@@ -53,6 +53,6 @@ def images_per_second(result: dict[str, Any]) -> float:
 
 def recipe_row(spec: str, pipe, settings: Settings, matmul: float | None, peak: float | None) -> dict:
     """The `recipes` section's row of `spec`: the training step's figures and images per GPU-second."""
-    component, recipe, overrides, _ = recipe_run(spec)
+    component, recipe, overrides = recipe_run(spec)
     result = train_step(component, pipe, settings, matmul, peak, recipe, overrides)
     return {**result, "spec": spec, "images_per_s": images_per_second(result)}
