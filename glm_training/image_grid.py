@@ -89,7 +89,7 @@ def _longest_fitting_prefix(text: str, font: Font, width: int) -> int:
     return 1
 
 
-def _wrap(text: str, font: Font, width: int, max_lines: int) -> list[str]:
+def wrap_text(text: str, font: Font, width: int, max_lines: int) -> list[str]:
     """Greedy word wrap to `width` pixels; overlong words are split; past `max_lines` lines -> '...'."""
     lines: list[str] = []
     current = ""
@@ -118,19 +118,19 @@ def _wrap(text: str, font: Font, width: int, max_lines: int) -> list[str]:
 
 
 def _wrap_caption(text: str, font: Font, width: int, max_lines: int) -> list[str]:
-    """`_wrap`, except that a caption too long for the band loses the end of its prompt, not its reward.
+    """`wrap_text`, except that a caption too long for the band loses the end of its prompt, not its reward.
 
     The part after the last " | " (e.g. "reward 0.731", see `caption`) is kept whole when it fits in fewer
     than `max_lines` lines; the prompt before it is cut with "..." to the lines left.
     """
-    lines = _wrap(text, font, width, max_lines)
+    lines = wrap_text(text, font, width, max_lines)
     if not lines or not lines[-1].endswith(_ELLIPSIS) or _CAPTION_SEPARATOR not in text:
         return lines
     prompt, tail = text.rsplit(_CAPTION_SEPARATOR, 1)
-    tail_lines = _wrap("| " + tail, font, width, max_lines)
+    tail_lines = wrap_text("| " + tail, font, width, max_lines)
     if len(tail_lines) >= max_lines:
         return lines
-    return [*_wrap(prompt, font, width, max_lines - len(tail_lines)), *tail_lines]
+    return [*wrap_text(prompt, font, width, max_lines - len(tail_lines)), *tail_lines]
 
 
 def _cell_shape(reference: Image.Image, cell_size: int | None) -> tuple[int, int]:

@@ -14,11 +14,11 @@ from PIL import Image, ImageFont
 
 from glm_training.image_grid import (
     GRID_GAP,
-    _wrap,
     _wrap_caption,
     caption,
     caption_band_height,
     make_image_grid,
+    wrap_text,
 )
 from glm_training.tracking import (
     MultiTracker,
@@ -130,14 +130,16 @@ def test_wrap_keeps_lines_within_width_and_marks_truncation():
     text = (
         "a photograph of an astronaut riding a horse on the moon, 8k, highly detailed, supercalifragilistic"
     )
-    lines = _wrap(text, font, width=60, max_lines=3)
+    lines = wrap_text(text, font, width=60, max_lines=3)
     assert len(lines) == 3
     assert all(font.getlength(line) <= 60 for line in lines)
     assert lines[-1].endswith("...")
     assert " ".join(lines[:2]) == text[: len(" ".join(lines[:2]))]  # lines are the text's start, in order
     # A word wider than the line is split instead of overflowing; short text stays whole.
-    assert all(font.getlength(line) <= 20 for line in _wrap("abcdefghijklmnop", font, width=20, max_lines=9))
-    assert _wrap("a cat", font, width=60, max_lines=3) == ["a cat"]
+    assert all(
+        font.getlength(line) <= 20 for line in wrap_text("abcdefghijklmnop", font, width=20, max_lines=9)
+    )
+    assert wrap_text("a cat", font, width=60, max_lines=3) == ["a cat"]
 
 
 def test_long_caption_loses_its_prompt_end_not_its_reward():

@@ -2,7 +2,9 @@
 
 - CVTG-2K (TextCrafter, HF `dnkdnk/CVTG-2K`): `CVTG/{2,3,4,5}.json` and `CVTG-Style/{2,3,4,5}.json`, each
   `{"data_list": [{"index", "prompt", "carrier_list", "sentence_list"}, ...]}`; the file's number is the
-  number of text regions. The text to render is every single-quoted span of the prompt (the official
+  number of text regions. The style folder is spelled `CVTG-Style`, `CVTG_Style` or (TextCrafter's README)
+  `CVTG-style` by different copies: any case, with `-` or `_`, is accepted; results and images always name
+  it `CVTG-Style`. The text to render is every single-quoted span of the prompt (the official
   script's ground truth; `sentence_list` is not read). One image per prompt, `<subset>/<N>/<index>.png`.
 - LongText-Bench (X-Omni, HF `X-Omni/LongText-Bench`): `text_prompts.jsonl` (EN) and `text_prompts_zh.jsonl`
   (ZH), a line `{"prompt_id", "prompt", "text": [...], "category", "length", "text_length"}` each; `text` is
@@ -44,24 +46,38 @@ def _read_json(path: Path, expected: str):
         raise BenchmarkDataError(f"{path}: cannot read it as JSON ({err}); expected {expected}.") from err
 
 
+def _subset_folder(folder: Path, subset: str) -> Path:
+    """`folder`'s sub-folder for `subset`, in any case and with `-` or `_` (`CVTG_Style` for `CVTG-Style`)."""
+    spelled = subset.lower().replace("_", "-")
+    found = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.lower().replace("_", "-") == spelled)
+    if len(found) > 1:
+        raise BenchmarkDataError(
+            f"{folder} holds {' and '.join(p.name for p in found)}: two spellings of the {subset} subset; "
+            "keep one."
+        )
+    return found[0] if found else folder / subset
+
+
 def load_cvtg2k(folder: Path) -> list[BenchmarkPrompt]:
     """Every prompt of CVTG-2K's released layout (both subsets, 2-5 regions); errors name the path."""
     expected = 'CVTG-2K\'s {"data_list": [{"index", "prompt", ...}, ...]}'
+    subsets = {s: _subset_folder(folder, s) for s in CVTG_SUBSETS}
     missing = [
         f"{s}/{n}.json"
         for s in CVTG_SUBSETS
         for n in CVTG_REGIONS
-        if not (folder / s / f"{n}.json").is_file()
+        if not (subsets[s] / f"{n}.json").is_file()
     ]
     if missing:
         raise BenchmarkDataError(
             f"{folder} is not a CVTG-2K folder: {', '.join(missing)} missing; expected CVTG/2.json ... "
-            "CVTG/5.json and CVTG-Style/2.json ... 5.json (the unzipped CVTG-2K.zip of HF dnkdnk/CVTG-2K)."
+            "CVTG/5.json and CVTG-Style/2.json ... 5.json (also spelled CVTG_Style; the unzipped CVTG-2K.zip "
+            "of HF dnkdnk/CVTG-2K)."
         )
     prompts = []
     for subset in CVTG_SUBSETS:
         for regions in CVTG_REGIONS:
-            path = folder / subset / f"{regions}.json"
+            path = subsets[subset] / f"{regions}.json"
             data = _read_json(path, expected)
             entries = data.get("data_list") if isinstance(data, dict) else None
             if not isinstance(entries, list) or not entries:
