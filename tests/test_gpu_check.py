@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 from glm_training import gpu_check
-from glm_training.gpu_check.settings import RECIPES
+from glm_training.gpu_check.settings import default_recipes
 from glm_training.pipeline.ar import DECODING_PATHS
 
 pytestmark = pytest.mark.slow
@@ -117,7 +117,16 @@ def test_defaults_and_settings_errors():
     real = gpu_check.parse_settings(["--device", "cpu"])
     assert (real.sizes, real.batch_sizes, real.decode_steps, real.train_size) == ((1024,), (1, 16), 128, 1024)
     assert real.sections == gpu_check.SECTIONS and real.decoding_paths == tuple(DECODING_PATHS)
-    assert real.recipes == RECIPES and "dapo_aesthetic_alignment" in RECIPES
+    # Per algorithm its OCR recipes, or its first (the AR half's): no PickScore variant, GSPO or joint run.
+    assert real.recipes == default_recipes()
+    assert set(real.recipes) == {
+        "flow_grpo_fast_ocr",
+        "flow_grpo_ocr",
+        "nft_ocr",
+        "awm_ocr",
+        "dgpo_ocr",
+        "dapo_aesthetic_alignment",
+    }
     assert real.compile is False  # on by default on CUDA only
     picked = gpu_check.parse_settings(["--device", "cpu", "--sections", "pipeline", "seeds", "--compile"])
     assert picked.sections == ("seeds", "pipeline") and picked.compile  # always in the order of value

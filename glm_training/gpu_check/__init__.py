@@ -21,9 +21,9 @@ and matmul throughput), the sections in order of value (`SECTIONS`; `--sections`
    prior cache (`data.prior_cache`) hands them over, so the step times the DiT alone;
 4. `ar`: one GRPO/DAPO LoRA step of the AR model (`recipes/dapo_aesthetic_alignment`): seconds
    and peak memory next to the plan;
-5. `recipes`: images per GPU-second of each recipe (`settings.RECIPES`, or those `--recipes` names, each
-   optionally with `:key=value` overrides): one step of the recipe's own algorithm and settings on a group
-   of its micro-batch (two steps, the second timed, for the AR recipes);
+5. `recipes`: images per GPU-second of each recipe (`settings.default_recipes`, or those `--recipes` names,
+   each optionally with `:key=value` overrides): one step of the recipe's own algorithm and settings on a
+   group of its micro-batch (two steps, the second timed, for the AR recipes);
 6. `decoding`: AR decoding tokens/s over a fixed number of steps (`pipeline.ar.decode_first_tokens`) at each
    batch size, for every path in `DECODING_PATHS` (or those `--decoding` names) and, with `--compile`
    (default on CUDA), the loop's compiled step (CUDA graphs), next to the memory-bandwidth roofline;

@@ -11,8 +11,8 @@ image (a step costs the same from batch 1 to 16 on an H200, docs/benchmarks.md):
 
 images per GPU-second = samples / (the timed step's rollout + update seconds).
 
-A recipe is named as in `configs/recipes/` (`settings.RECIPES`: the default rows), optionally followed by
-`:key=value` config overrides (`flow_grpo_fast_ocr:model.compile_blocks=true`).
+A recipe is named as in `configs/recipes/` (`settings.default_recipes`: the default rows), optionally followed
+by `:key=value` config overrides (`flow_grpo_fast_ocr:model.compile_blocks=true`).
 """
 
 from __future__ import annotations

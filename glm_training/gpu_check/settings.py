@@ -24,16 +24,21 @@ SECTIONS = (
     "pipeline",
 )  # in order of value; the environment always runs
 PROFILED = ("dit", "ar", "decoding")
-# The `recipes` section's rows by default (`gpu_check.recipes`): one of each objective; the joint run and the
-# GSPO recipe (DAPO's costs with another loss) are left out.
-RECIPES = (
-    "flow_grpo_fast_ocr",
-    "flow_grpo_ocr",
-    "nft_ocr",
-    "awm_ocr",
-    "dgpo_ocr",
-    "dapo_aesthetic_alignment",
-)  # sections --profile can run under torch.profiler
+
+
+def default_recipes() -> tuple[str, ...]:
+    """The `recipes` section's rows by default (`gpu_check.recipes`): per algorithm, its recipes on the OCR
+    reward, or its first where it has none (the AR half's). Left out: the PickScore variants (the same costs
+    with another reward model), GSPO (DAPO's costs with another loss) and the joint run."""
+    from glm_training.cli import recipes_by_algorithm
+
+    rows = []
+    for algorithm, recipes in recipes_by_algorithm().items():
+        if algorithm == "joint":
+            continue
+        ocr = [r for r in recipes if r.endswith("_ocr")]
+        rows += [r.removeprefix("recipes/") for r in (ocr or recipes[:1])]
+    return tuple(rows)
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="NAME[:KEY=VALUE...]",
         help="the recipes section's rows: recipes of configs/recipes/, each optionally with config overrides "
-        "after colons (default: gpu_check.settings.RECIPES, one of each objective)",
+        "after colons (default: each algorithm's OCR recipes, or its first: settings.default_recipes)",
     )
     for half in ("dit", "ar"):
         add(
@@ -182,7 +187,7 @@ def parse_settings(argv: list[str] | None) -> Settings:
         overrides={"dit": args.dit_overrides, "ar": args.ar_overrides},
         profile=tuple(args.profile),
         packed_attention=args.packed_attention,
-        recipes=tuple(args.recipes or RECIPES),
+        recipes=tuple(args.recipes or default_recipes()),
         output=args.output,
         layers={name: 1 for name in real} if args.toy else real,
     )
