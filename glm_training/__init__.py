@@ -20,12 +20,13 @@ from typing import Any
 
 # Public name -> (module, attribute).
 _EXPORTS: dict[str, tuple[str, str]] = {
-    # Trainers: `Trainer(cfg, reward_funcs=None, reward_weights=None).train()` -> output folder.
-    "Trainer": ("glm_training.engine.trainer", "Trainer"),
+    # Trainers: `DiTTrainer(cfg, reward_funcs=None, reward_weights=None).train()` -> output folder. All are
+    # `RewardTrainer`s (`Trainer` is its earlier name).
+    "RewardTrainer": ("glm_training.engine.trainer", "RewardTrainer"),
     "DiTTrainer": ("glm_training.engine.trainer", "DiTTrainer"),
     "ARTrainer": ("glm_training.engine.trainer", "ARTrainer"),
     "JointTrainer": ("glm_training.joint.trainer", "JointTrainer"),
-    "RewardTrainer": ("glm_training.engine.trainer", "Trainer"),
+    "Trainer": ("glm_training.engine.trainer", "RewardTrainer"),
     # Algorithms: the base class a new one subclasses, and the table it is registered in.
     "Algorithm": ("glm_training.algorithms.base", "Algorithm"),
     "AlgorithmSpec": ("glm_training.config.spec", "AlgorithmSpec"),

@@ -12,7 +12,8 @@ SCRIPTS = {"dit": "train_dit.py", "ar": "train_ar.py", "joint": "train_joint.py"
 
 def build_trainer(cfg: Any, component: str) -> Any:
     """The trainer of `cfg`, for the entry point that trains `component` (`train_dit.py`: dit, `train_ar.py`:
-    ar, `train_joint.py`: joint); the engine builds the algorithm `algo.name` names."""
+    ar, `train_joint.py`: joint): `DiTTrainer`, `ARTrainer` or `JointTrainer`; the engine builds the
+    algorithm `algo.name` names."""
     if cfg.component != component:
         what = "both halves" if cfg.component == "joint" else f"the {cfg.component} half"
         raise ConfigError(
@@ -24,6 +25,6 @@ def build_trainer(cfg: Any, component: str) -> Any:
         from glm_training.joint.trainer import JointTrainer
 
         return JointTrainer(cfg)
-    from glm_training.engine.trainer import Trainer
+    from glm_training.engine.trainer import ARTrainer, DiTTrainer
 
-    return Trainer(cfg)
+    return {"dit": DiTTrainer, "ar": ARTrainer}[component](cfg)

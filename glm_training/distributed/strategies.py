@@ -157,13 +157,7 @@ class FSDP(DDP):
         self.device = accelerator.device
         self.world_size = accelerator.num_processes
         self.loads_into_shards = trainer_cfg.fsdp_load_into_shards
-        shard_size = trainer_cfg.fsdp_shard_size
-        if shard_size and (shard_size > self.world_size or self.world_size % shard_size):
-            raise ConfigError(
-                "trainer.fsdp_shard_size",
-                f"{shard_size} does not divide the {self.world_size} ranks; use a divisor (the GPUs of one "
-                "node), or 0 to shard over all ranks.",
-            )
+        check_shard_size(trainer_cfg.fsdp_shard_size, self.world_size)
 
     def shard(self, module: nn.Module, reference: nn.Module | None, weights: Path | None = None) -> None:
         """Shard in place (one unit per DiT block / GLM decoder layer, then the root); the frozen reference
@@ -274,6 +268,23 @@ class FSDP(DDP):
 
 
 STRATEGIES: dict[str, type[DDP]] = {"ddp": DDP, "fsdp": FSDP}
+
+
+def check_ranks(cfg: Any, world_size: int) -> None:
+    """Refuses a run config whose step samples or FSDP shard groups `world_size` ranks cannot share."""
+    cfg.data.per_rank_samples(world_size)
+    if cfg.trainer.strategy == "fsdp" and world_size > 1:  # one process trains unsharded
+        check_shard_size(cfg.trainer.fsdp_shard_size, world_size)
+
+
+def check_shard_size(shard_size: int, world_size: int) -> None:
+    """Refuses `trainer.fsdp_shard_size` that does not divide the ranks (0: shard over all)."""
+    if shard_size and (shard_size > world_size or world_size % shard_size):
+        raise ConfigError(
+            "trainer.fsdp_shard_size",
+            f"{shard_size} does not divide the {world_size} ranks; use a divisor (the GPUs of one "
+            "node), or 0 to shard over all ranks.",
+        )
 
 
 def make_parallelism(trainer_cfg: Any, accelerator: Any, component: str) -> DDP:

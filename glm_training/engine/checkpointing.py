@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 from glm_training.checkpoint import (
     CheckpointError,
+    checkpoint_dir,
+    find_paired_resume,
     find_resume,
     later_checkpoints,
     list_checkpoints,
@@ -75,7 +77,7 @@ class Checkpointer:
     """Saves and resumes `policy` (weights, optimizer, schedule, EMA) and the own state of each of `parts`
     (the algorithm, the monitors: `part.state()`: {file name: object}, restored by
     `part.load_state(folder)`). `prunes`: delete all but the newest `trainer.keep_last` checkpoints after each
-    save (a joint run's halves prune together once both saved: `joint.trainer.BothCheckpoints`)."""
+    save (a joint run's halves prune together once both saved: `PairedCheckpoints`)."""
 
     def __init__(
         self,
@@ -187,3 +189,50 @@ class Checkpointer:
                 "trainer.output_dir."
             )
         return path
+
+
+class PairedCheckpoints:
+    """The checkpoints of a run that trains several halves (a joint run's AR and DiT): one `Checkpointer` each
+    (built with `prunes=False`), saved one after the other and pruned together once all saved, so that a stop
+    between two saves always leaves a step every half completed.
+
+    `trainer.resume=latest` resumes every half from the newest step all of them saved intact
+    (`find_paired_resume`); the checkpoints past it are set aside (renamed, kept, logged): the newer halves'
+    of a stop between the saves as `step-N.unpaired`, damaged ones as `step-N.damaged`; the run writes those
+    steps again. With no such step (a stop between the first two saves) it starts over from step 0.
+    """
+
+    def __init__(self, *halves: Checkpointer):
+        self.halves = halves
+
+    def save(self, step: int, at_once: bool = True) -> None:
+        for half in self.halves:
+            half.save(step, at_once)
+        self._prune()
+
+    def finish_pending(self) -> None:
+        for half in self.halves:
+            half.finish_pending()
+        self._prune()
+
+    def _prune(self) -> None:
+        for half in self.halves:
+            half.prune()
+
+    def resume(self) -> int:
+        if not self.halves[0].cfg.trainer.resume:
+            return 0
+        step = agreed(self._resume_step, self.halves[0].is_main)
+        if step:
+            for half in self.halves:
+                half.load(checkpoint_dir(half.output_dir, step))
+        return step
+
+    def _resume_step(self) -> int:
+        """Rank 0: the newest step every half saved intact, the checkpoints past it set aside."""
+        step, passed = find_paired_resume([half.output_dir for half in self.halves])
+        for checkpoint, why in passed:
+            set_aside(checkpoint, why)
+        if step == 0:
+            logger.warning("no step has a checkpoint of both halves: the run starts over from step 0")
+        return step

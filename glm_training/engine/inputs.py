@@ -49,10 +49,6 @@ class RunInputs:
         elif cfg.eval.watch_rewards or cfg.eval.text_metrics:
             logger.warning("eval.watch_rewards and eval.text_metrics are ignored: eval.every_n_steps=0")
 
-    def reward_sets(self) -> list[RewardSet]:
-        """The reward sets scored during training (the loop's failure handling covers each)."""
-        return [self.rewards]
-
     def set_failure_policy(self) -> None:
         """Retries and failure handling from `reward.*`, for the training rewards and the watched ones."""
         r = self.cfg.reward
@@ -70,16 +66,13 @@ class RunInputs:
             self.watched_rewards.close()
 
 
-def open_priors(cfg: Any, component: str, inputs: RunInputs) -> tuple[Any, tuple[tuple[str, ...], str]]:
-    """The DiT's prior-token cache (`data.prior_cache`, checked against the run before the DiT loads) or None,
-    and the frozen components the run then never loads, with why (for the load log)."""
+def open_priors(cfg: Any, component: str, inputs: RunInputs) -> Any:
+    """The DiT's prior-token cache (`data.prior_cache`, checked against the run before the DiT loads) or None
+    (the run then never loads the AR model)."""
     if component != "dit":
         if cfg.data.prior_cache:
             raise ConfigError(
                 "data.prior_cache", f"is for train_dit.py; the {component} trainer samples its own tokens."
             )
-        return None, ((), "")
-    cache = open_for_dit_run(cfg, inputs.prompts, inputs.eval_prompts)
-    if cache is None:
-        return None, ((), "")
-    return cache, (("vision_language_encoder",), f"prior tokens from data.prior_cache={cfg.data.prior_cache}")
+        return None
+    return open_for_dit_run(cfg, inputs.prompts, inputs.eval_prompts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,11 @@ logger = logging.getLogger("glm_training")
 
 class Evaluation:
     """Evaluates the policy (its EMA weights when EMA is on) on the held-out prompts at step 0, every
-    `eval.every_n_steps` and at the end; nothing without `eval.every_n_steps`."""
+    `eval.every_n_steps` and at the end; nothing without `eval.every_n_steps`.
+
+    `inputs` (`RunInputs`): the held-out prompts, the rewards and the watched ones. In a joint run, `others`:
+    the other half's policies; `watched`: the reward set scored as watched instead (the other half's);
+    `rename`: what turns the scalars into the run's names."""
 
     def __init__(
         self,
@@ -36,11 +41,15 @@ class Evaluation:
         output_dir: Path,
         priors: Any,
         others: tuple[Any, ...] = (),
+        watched: Any = None,
+        rename: Callable[[dict[str, float]], dict[str, float]] | None = None,
     ):
         self.cfg = cfg
         self.inputs = inputs
         self.policy = policy
         self.others = others  # policies of the pipeline's other half, when it trains too (EMA, gathering)
+        self.watched = inputs.watched_rewards if watched is None else watched
+        self.rename = rename
         self.tracker = tracker
         self.output_dir = output_dir
         self.prior_tokens = None if priors is None else priors.eval_tokens
@@ -75,7 +84,7 @@ class Evaluation:
                 num_grid_images=self.cfg.eval.num_grid_images,
                 prior_tokens=self.prior_tokens,
                 equal_calls=any(p.parallel.equal_calls for p in (policy, *self.others)),
-                watched=inputs.watched_rewards,
+                watched=self.watched,
                 recogniser=inputs.text_recogniser,
                 image_stats=self.cfg.eval.image_stats,
             )
@@ -85,7 +94,7 @@ class Evaluation:
             write_evaluation(self.output_dir / "eval", step, result, grid_images, captions)
             self.tracker.log_images(step, "eval/samples", grid_images, captions)
             logger.info("eval at step %d: reward %.4g", step, scalars["eval/reward_mean"])
-        return scalars
+        return scalars if self.rename is None else self.rename(scalars)
 
     def _rng_devices(self) -> list[int]:
         device = self.policy.device

@@ -1,8 +1,13 @@
-"""`Trainer`: the loop of every GLM-Image reward run, composed of parts, each built from its own config.
+"""`RewardTrainer`: the loop of every GLM-Image reward run, composed of parts, each made by one builder.
 
-    inputs (prompts, rewards: checked before loading) -> policy (the trained half, placed, sharded, wrapped)
-    -> algorithm (`algo.name` in the algorithm table, built from the parts) -> checkpoints (resume)
-    then per step:  collect (rollout -> rewards -> advantages) -> update -> log -> evaluate -> checkpoint
+    __init__:  _build_inputs (prompts, rewards: checked before loading) -> _build_priors -> _build_model
+               (the trained half, placed, sharded, wrapped) -> _build_algorithm (`algo.name` in the algorithm
+               table) -> _build_monitor -> _build_checkpoints (resume) -> _build_evaluation
+    train():   per step: collect (rollout -> rewards -> advantages) -> update -> log -> evaluate -> checkpoint
+
+`DiTTrainer` and `ARTrainer` train one half; `joint.trainer.JointTrainer` both, over the same loop, by
+overriding builders. A run's parts are kept by the prefix of their statistics: "" in a run of one half,
+"ar_" and "dit_" in a joint run (`inputs`, `policies`).
 
 The algorithm is any object with `collect(step) -> Batch`, `update(batch, step) -> stats`, `state()` and
 `load_state(folder)` (`algorithms/base.py`); the engine never asks which algorithm runs.
@@ -23,7 +28,7 @@ from omegaconf import OmegaConf
 from glm_training.config import ConfigError, config_to_yaml
 from glm_training.config.algorithms import algorithm_of
 from glm_training.distributed import collectives as dist
-from glm_training.distributed.strategies import make_parallelism
+from glm_training.distributed.strategies import check_ranks, make_parallelism
 from glm_training.engine.checkpointing import Checkpointer, resolve_output_dir
 from glm_training.engine.collect import Batch, Collector
 from glm_training.engine.inputs import RunInputs, open_priors
@@ -39,15 +44,15 @@ from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
 from glm_training.plan import log_memory_plan
 from glm_training.preemption import StopSignals
+from glm_training.priors.read import PriorCache
 from glm_training.priors.source import PriorSource
-from glm_training.rewards.combine import RewardFuncs
 from glm_training.rewards.retry import RewardFailed
 from glm_training.tracking import build_tracker
 
 logger = logging.getLogger("glm_training")
 
 
-class Trainer:
+class RewardTrainer:
     """A reward run of `cfg` (a `DiTTrainConfig`, `ARTrainConfig`, ... from `load_config`).
 
     `reward_funcs` / `reward_weights`: rewards from Python (`engine/inputs.py`). `pipeline`: an already-built
@@ -56,84 +61,97 @@ class Trainer:
     instead of the table's entry for `algo.name`. `seed_stream`: the stream of sampling seeds it draws from
     (`Collector.sample_seed`); 0 by default, `joint.trainer.SEED_STREAMS["dit"]` to sample as a joint run's
     DiT does.
+
+    The constructor calls the builders in order; a subclass changes a part by overriding its builder (each
+    returns the part and reads only the parts built before it).
     """
 
-    component: str = ""  # set by `DiTTrainer` / `ARTrainer`: the half their configs must train
+    component: str = ""  # the half a subclass trains ("dit", "ar", "joint"); "" = the one its config names
     reward_keys: tuple[str, ...] = ("reward_mean",)  # the step statistics the progress bar shows
 
     def __init__(
         self,
         cfg: Any,
-        reward_funcs: RewardFuncs | None = None,
-        reward_weights: list[float] | None = None,
+        reward_funcs: Any = None,
+        reward_weights: Any = None,
         *,
         pipeline: Any = None,
         priors: PriorSource | None = None,
         algorithm: type | None = None,
         seed_stream: int = 0,
     ):
-        if self.component and cfg.component != self.component:
-            raise ConfigError(
-                "component",
-                f"{type(self).__name__} trains the {self.component} half; this config trains "
-                f"the {cfg.component} half.",
-            )
+        self._check_component(cfg)
         setup_logging(dist.rank_info().rank == 0)
-        self.inputs = RunInputs(cfg, reward_funcs, reward_weights)
-        self.cfg = cfg = self.inputs.cfg
-        self.rewards = self.inputs.rewards
-        cfg.data.per_rank_samples(dist.rank_info().world_size)  # refuses a split the ranks cannot share
+        self.inputs = self._build_inputs(cfg, reward_funcs, reward_weights)
+        self.cfg = self._run_config(cfg)
+        for inputs in self.inputs.values():  # refused before anything is written
+            check_ranks(inputs.cfg, dist.rank_info().world_size)
         self._start_engine()
-        self.parallel = make_parallelism(cfg.trainer, self.accelerator, cfg.component)
         self._open_outputs()
-        self.memory_plan = log_memory_plan(cfg, self.accelerator)  # on GPUs: stops here if it cannot fit
-        self.priors, skip = (
-            open_priors(cfg, cfg.component, self.inputs) if priors is None else (priors, ((), ""))
-        )
-        self.policy = Policy(
-            cfg, cfg.component, self.accelerator, self.parallel, self.placement_context, skip, pipeline
-        )
-        self.policies = {"": self.policy}  # by the prefix of their statistics (`lr`)
-        self.updates = UpdateLoop(self.policy, cfg.algo.num_inner_epochs, cfg.algo.num_mini_batches)
-        self.collector = Collector(
-            cfg, self.inputs.prompts, self.rewards, self.rank, self.world_size, seed_stream
-        )
-        algorithm_cls = algorithm or algorithm_of(cfg).algorithm_class()
-        self.algorithm = algorithm_cls(cfg, Parts(self.policy, self.updates, self.collector, self.priors))
-        self.monitor = ImageMonitor(cfg)
-        self.checkpoints = Checkpointer(
-            cfg, self.output_dir, self.policy, [self.algorithm, self.monitor], self.rank, self.is_main
-        )
-        self._resume_and_track()
-        self.evaluation = Evaluation(
-            cfg, self.inputs, self.policy, self.tracker, self.output_dir, self._held_out_priors()
-        )
+        halves = [inputs.cfg for inputs in self.inputs.values()]
+        self.memory_plan = log_memory_plan(halves[0], self.accelerator, *halves[1:])  # GPUs: stops if too big
+        self.priors = self._build_priors(priors)
+        self.policies = self._build_model(pipeline)
+        self.algorithm = self._build_algorithm(algorithm, seed_stream)
+        self.monitor = self._build_monitor()
+        self.checkpoints = self._build_checkpoints()
+        self.start_step = self._resume()
+        self.tracker = self._build_tracker()
+        self.evaluation = self._build_evaluation()
 
-    def _held_out_priors(self) -> PriorSource | FrozenPriors | None:
-        """Where the evaluation's prior tokens come from: the cache, else, in a DiT run (whose AR model never
-        trains), the AR model once per held-out prompt; None when the AR model trains (its evaluation samples
-        anew each time)."""
-        if self.priors is not None or self.cfg.component != "dit":
-            return self.priors
-        return FrozenPriors(self.policy.wrapper.pipeline, eval_sampling(self.cfg))
+    # -------------------------------------------------------------------------------------------------
+    # The builders, in the constructor's order
 
-    def _open_outputs(self, halves: tuple[str, ...] = ("",)) -> None:
-        """The run's folder (`halves`: its sub-folders that hold checkpoints), metrics.jsonl, config.yaml."""
-        self.output_dir = resolve_output_dir(self.cfg, self.is_main, halves)
-        self.metrics = MetricsWriter(self.output_dir, self.is_main)
-        if self.is_main:
-            (self.output_dir / "config.yaml").write_text(config_to_yaml(self.cfg), encoding="utf-8")
+    def _build_inputs(self, cfg: Any, reward_funcs: Any, reward_weights: Any) -> dict[str, RunInputs]:
+        """Each trained half's prompts and rewards, read and checked before any model loads."""
+        return {"": RunInputs(cfg, reward_funcs, reward_weights)}
 
-    def _resume_and_track(self) -> None:
-        """Resume from `trainer.resume` (the metrics rows after it are dropped), then start the tracker."""
-        cfg = self.cfg
-        self.start_step = self.checkpoints.resume()
-        if cfg.trainer.resume:
-            # Rows of steps the run will write again (all of them when a joint run's resume starts over).
-            self.metrics.truncate_after(self.start_step)
-        for policy in self.policies.values():
+    def _run_config(self, cfg: Any) -> Any:
+        """The config the run records (config.yaml): `cfg` with the rewards given from Python."""
+        return self.inputs[""].cfg
+
+    def _build_priors(self, priors: PriorSource | None) -> PriorSource | None:
+        """Where the DiT's prior tokens come from besides its AR model: `priors`, else `data.prior_cache`."""
+        if priors is not None:
+            return priors
+        return open_priors(self.cfg, self.cfg.component, self.inputs[""])
+
+    def _build_model(self, pipeline: Any) -> dict[str, Policy]:
+        """Each trained half of GLM-Image, loaded, placed, sharded and wrapped (`Policy`), by prefix; a second
+        half trains the pipeline the first loaded. The one place placement is decided (`models/placement.py`):
+          - under DDP/FSDP every rank loads on "cpu" and moves explicitly to its own device;
+          - one process with several GPUs may spread the model with a balanced device map;
+          - nothing calls `.to()` on meta tensors."""
+        policies = {}
+        for prefix, inputs in self.inputs.items():
+            cfg, component = inputs.cfg, inputs.cfg.component
+            parallel = make_parallelism(cfg.trainer, self.accelerator, component)
+            policy = Policy(
+                cfg, component, self.accelerator, parallel, self.placement_context, self._unused(), pipeline
+            )
             policy.wrapper.pipeline.set_progress_bar_config(disable=True)
-        self.tracker = build_tracker(
+            pipeline = policy.wrapper  # the next half shares the pipeline this one loaded
+            policies[prefix] = policy
+        return policies
+
+    def _build_algorithm(self, algorithm: type | None, seed_stream: int) -> Any:
+        """The algorithm `algo.name` names (or `algorithm`), built over the engine's parts."""
+        algorithm_cls = algorithm or algorithm_of(self.cfg).algorithm_class()
+        return algorithm_cls(self.cfg, self._parts("", seed_stream, self.priors))
+
+    def _build_monitor(self) -> ImageMonitor:
+        """The image statistics of every step and evaluation, and the reward-hacking alarm."""
+        return ImageMonitor(self.cfg)
+
+    def _build_checkpoints(self) -> Checkpointer:
+        """Saving and resuming the policy and the state of the algorithm and the monitor."""
+        parts = [self.algorithm, self.monitor]
+        return Checkpointer(self.cfg, self.output_dir, self.policy, parts, self.rank, self.is_main)
+
+    def _build_tracker(self) -> Any:
+        """TensorBoard / W&B, from the step the run starts at."""
+        cfg = self.cfg
+        return build_tracker(
             is_main=self.is_main,
             output_dir=self.output_dir,
             run_name=cfg.run_name,
@@ -144,6 +162,31 @@ class Trainer:
             wandb_entity=cfg.logging.wandb_entity,
             wandb_mode=cfg.logging.wandb_mode,
             start_step=self.start_step,
+        )
+
+    def _build_evaluation(self) -> Evaluation:
+        """The held-out evaluation of the trained half."""
+        return Evaluation(
+            self.cfg, self.inputs[""], self.policy, self.tracker, self.output_dir, self._held_out_priors()
+        )
+
+    # -------------------------------------------------------------------------------------------------
+    # What the builders share
+
+    def _check_component(self, cfg: Any) -> None:
+        """Refuses a config of another half than this trainer's (a bare `RewardTrainer` takes either half)."""
+        if cfg.component == self.component or (not self.component and cfg.component != "joint"):
+            return
+        hint = " (use JointTrainer)" if cfg.component == "joint" else ""
+        if self.component == "joint":
+            hint = (
+                " (give it a joint config, e.g. load_config(config='joint_training'), or use DiTTrainer / "
+                "ARTrainer)"
+            )
+        what = _trained(self.component) if self.component else "one half"
+        raise ConfigError(
+            "component",
+            f"{type(self).__name__} trains {what}; this config trains {_trained(cfg.component)}{hint}.",
         )
 
     def _start_engine(self) -> None:
@@ -162,6 +205,67 @@ class Trainer:
         self.is_main = self.accelerator.is_main_process
         log_environment(cfg, self.accelerator.device)  # bf16 on a CPU without it; packages off the lock
 
+    def _open_outputs(self) -> None:
+        """The run's folder (each half's checkpoints in its sub-folder: none for a run of one half),
+        metrics.jsonl, config.yaml."""
+        folders = tuple(prefix.rstrip("_") for prefix in self.inputs)  # "ar_" -> "ar"; "" -> the run's own
+        self.output_dir = resolve_output_dir(self.cfg, self.is_main, folders)
+        self.metrics = MetricsWriter(self.output_dir, self.is_main)
+        if self.is_main:
+            (self.output_dir / "config.yaml").write_text(config_to_yaml(self.cfg), encoding="utf-8")
+
+    def _unused(self) -> tuple[tuple[str, ...], str]:
+        """The frozen components a run never loads, and why: the AR model when a prior cache gives the DiT its
+        tokens."""
+        if not isinstance(self.priors, PriorCache):
+            return (), ""
+        return ("vision_language_encoder",), f"prior tokens from data.prior_cache={self.cfg.data.prior_cache}"
+
+    def _parts(self, prefix: str, seed_stream: int, priors: PriorSource | None) -> Parts:
+        """What the engine hands the algorithm of half `prefix`: its policy, update loop and collector."""
+        inputs, policy = self.inputs[prefix], self.policies[prefix]
+        cfg = inputs.cfg
+        updates = UpdateLoop(policy, cfg.algo.num_inner_epochs, cfg.algo.num_mini_batches)
+        collector = Collector(cfg, inputs.prompts, inputs.rewards, self.rank, self.world_size, seed_stream)
+        return Parts(policy, updates, collector, priors)
+
+    def _resume(self) -> int:
+        """Resume from `trainer.resume` (its later metrics rows dropped); the step the run starts at."""
+        start_step = self.checkpoints.resume()
+        if self.cfg.trainer.resume:
+            # Rows of steps the run will write again (all of them when a joint run's resume starts over).
+            self.metrics.truncate_after(start_step)
+        return start_step
+
+    def _held_out_priors(self) -> PriorSource | FrozenPriors | None:
+        """Where the evaluation's prior tokens come from: the run's prior source, or None (the AR model)."""
+        return self.priors
+
+    @property
+    def policy(self) -> Policy:
+        """The trained half's `Policy` (a joint run has two: `policies["ar_"]`, `policies["dit_"]`)."""
+        return self._only(self.policies, "policies")
+
+    @property
+    def rewards(self) -> Any:
+        """The training rewards (`RewardSet`) of the trained half."""
+        return self._only(self.inputs, "inputs").rewards
+
+    @property
+    def updates(self) -> UpdateLoop:
+        """The algorithm's update loop (`UpdateLoop.last`: the last update's mini-batches)."""
+        return self.algorithm.updates
+
+    @property
+    def collector(self) -> Collector:
+        """The algorithm's collector (the step's samples and seeds, scoring, advantages)."""
+        return self.algorithm.collector
+
+    def _only(self, parts: dict[str, Any], name: str) -> Any:
+        if "" not in parts:
+            raise AttributeError(f"{type(self).__name__} trains two halves; read its {name} by prefix")
+        return parts[""]
+
     # -------------------------------------------------------------------------------------------------
     # The loop
 
@@ -175,7 +279,8 @@ class Trainer:
         the phase.
         """
         cfg = self.cfg.trainer
-        self.inputs.set_failure_policy()
+        for inputs in self.inputs.values():
+            inputs.set_failure_policy()
         dist.set_collective_timeout(cfg.dist_timeout_s)
         signals = StopSignals()
         signals.install()
@@ -201,7 +306,8 @@ class Trainer:
             signals.restore()
             progress.close()
             self.tracker.close(failed=failed)
-            self.inputs.close()
+            for inputs in self.inputs.values():
+                inputs.close()
         dist.set_phase("shutdown")
         dist.barrier()
         return self.output_dir
@@ -212,7 +318,7 @@ class Trainer:
         dist.set_phase("rollout", step + 1)
         # A reward's error is held (NaN scores) until every rank has collected: then all act on it together.
         with contextlib.ExitStack() as collecting:
-            for rewards in self.inputs.reward_sets():
+            for rewards in self._reward_sets():
                 collecting.enter_context(rewards.collecting())
             batch = self.collect(step)
         reward_failed = self._reward_failed(step)
@@ -274,8 +380,8 @@ class Trainer:
     def _reward_failed(self, step: int) -> bool:
         """Whether any rank's reward failed this step (one all-reduce); an error or on_failure=error stops."""
         dist.set_phase("reward gather", step + 1)
-        failures = [f for rewards in self.inputs.reward_sets() for f in rewards.failures]
-        errors = [e for rewards in self.inputs.reward_sets() for e in rewards.errors]
+        failures = [f for rewards in self._reward_sets() for f in rewards.failures]
+        errors = [e for rewards in self._reward_sets() for e in rewards.errors]
         seen = torch.tensor([float(bool(failures)), float(bool(errors))])
         reward_failed, reward_error = (bool(x) for x in dist.all_reduce(seen, op="max"))
         if reward_error:
@@ -284,12 +390,16 @@ class Trainer:
             raise RewardFailed(
                 f"step {step + 1}: a reward failed on another rank (its log says how); stopping"
             )
-        if reward_failed and self.inputs.stops_on_failure():
+        if reward_failed and any(inputs.stops_on_failure() for inputs in self.inputs.values()):
             raise RewardFailed(self._failure_message(step))
         return reward_failed
 
+    def _reward_sets(self) -> list[Any]:
+        """The reward sets scored during training, every half's (the failure handling covers each)."""
+        return [inputs.rewards for inputs in self.inputs.values()]
+
     def _failure_message(self, step: int) -> str:
-        failures = [f for rewards in self.inputs.reward_sets() for f in rewards.failures]
+        failures = [f for rewards in self._reward_sets() for f in rewards.failures]
         here = "; ".join(failures) or "a reward failed on another rank"
         return f"step {step + 1}: {here}"
 
@@ -305,13 +415,27 @@ class Trainer:
         self.save(step, at_once=step == cfg.num_steps or stop)
 
 
-class DiTTrainer(Trainer):
-    """A run that trains the DiT decoder with the DiT algorithm its config's `algo.name` names."""
+def _trained(component: str) -> str:
+    return "both halves" if component == "joint" else f"the {component} half"
+
+
+Trainer = RewardTrainer  # the name scripts written before the hierarchy use
+
+
+class DiTTrainer(RewardTrainer):
+    """A run that trains the DiT decoder with the DiT algorithm its config's `algo.name` names. Its AR model
+    never trains, so the evaluation samples each held-out prompt's prior tokens once (`FrozenPriors`)."""
 
     component = "dit"
 
+    def _held_out_priors(self) -> PriorSource | FrozenPriors | None:
+        if self.priors is not None:
+            return self.priors
+        return FrozenPriors(self.policy.wrapper.pipeline, eval_sampling(self.cfg))
 
-class ARTrainer(Trainer):
-    """A run that trains the AR model (GRPO, DAPO, GSPO)."""
+
+class ARTrainer(RewardTrainer):
+    """A run that trains the AR model (GRPO, DAPO, GSPO); its samples are rendered by the frozen DiT with
+    `sampling.dit_num_steps` steps. Its evaluation samples new prior tokens each time: the AR model trains."""
 
     component = "ar"

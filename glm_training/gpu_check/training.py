@@ -6,9 +6,9 @@ for the DiT the update's model FLOPs and MFU.
 The trainers are built from the real-model recipes (`model=glm_image_shape` with `--toy`) with one group of
 two samples, the JPEG reward (no reward weights to download) and the bundled prompts; `--dit-overrides` /
 `--ar-overrides` add config overrides. Only where the model comes from differs: the trainer is handed the
-pipeline built here (`Trainer(cfg, pipeline=...)`) instead of loading a folder, so nothing is written to disk;
-the checkpoint at the end of the step is skipped. The DiT step's prior tokens are seeded random codebook ids,
-as a prior cache (`data.prior_cache`) hands them over, so that step times the DiT alone.
+pipeline built here (`RewardTrainer(cfg, pipeline=...)`) instead of loading a folder, so nothing is written to
+disk; the checkpoint at the end of the step is skipped. The DiT step's prior tokens are seeded random codebook
+ids, as a prior cache (`data.prior_cache`) hands them over, so that step times the DiT alone.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ COMMON_OVERRIDES = [
 def _in_memory_trainer() -> type:
     """The engine's trainer of a given pipeline (`pipeline=`: no folder, no `.to()`), with the rollout and the
     update timed and their peak memory measured, and no checkpoint written."""
-    from glm_training.engine.trainer import Trainer
+    from glm_training.engine.trainer import RewardTrainer
 
-    class InMemoryTrainer(Trainer):
+    class InMemoryTrainer(RewardTrainer):
         def __init__(self, cfg, pipeline, priors=None) -> None:
             self.phases: dict[str, dict[str, float]] = {}
             super().__init__(cfg, pipeline=pipeline, priors=priors)
