@@ -8,7 +8,12 @@ Three places are checked:
 - each reward's scores (`rewards/combine.py`): `reward.on_nonfinite=error` names the reward and the
   samples; `drop` lets them through, and `nonfinite_groups` below gives their groups zero advantage;
 - the streak: `trainer.max_consecutive_skips` skipped steps in a row stop the run (`TooManySkippedSteps`),
-  and no checkpoint is written while a streak lasts, so the newest checkpoint predates the first bad step.
+  and no checkpoint is written while a streak lasts, so the newest checkpoint predates the first bad step;
+  a run none of whose steps updated the model ends in an error, not "done" (`NothingTrained`).
+
+After each update the trained weights themselves are checked (`Policy.weights_finite`): an update with a
+finite gradient that still made them NaN or inf (a learning rate far too high) stops the run
+(`NonFiniteWeights`) before an evaluation, a metrics row or a checkpoint of that step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,14 @@ from glm_training.errors import UserError
 
 class TooManySkippedSteps(UserError, RuntimeError):
     """`trainer.max_consecutive_skips` steps in a row made no update; the message says why and what to try."""
+
+
+class NothingTrained(UserError, RuntimeError):
+    """Every step a run ran was skipped: it made no update, and says so instead of "done"."""
+
+
+class NonFiniteWeights(UserError, RuntimeError):
+    """An update left trained weights NaN or inf; the message names the step and the likely cause."""
 
 
 def is_finite(value: float | torch.Tensor) -> bool:
@@ -49,6 +62,17 @@ class SkipCounter:
             return
         self.in_a_row += 1
         self.reasons.append(reason)
+
+    def check_trained(self, start_step: int, end_step: int) -> None:
+        """Raises `NothingTrained` for steps `start_step + 1 .. end_step`, of which none updated the model
+        (the caller counted the optimizer steps), when they were skipped for a failure."""
+        if end_step > start_step and self.reasons:
+            raise NothingTrained(
+                f"no update in steps {start_step + 1}-{end_step}: skipped for "
+                f"{' and '.join(sorted(set(self.reasons)))}; nothing was trained and no checkpoint holds a "
+                "trained step. metrics.jsonl says which failed at each step (skipped_reward_failure, "
+                "skipped_nonfinite), the warnings above why: fix that reward or loss and run again."
+            )
 
     def check(self, step: int) -> None:
         if self.max_consecutive and self.in_a_row >= self.max_consecutive:

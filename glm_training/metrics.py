@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("glm_training")
 
 
 def _plain(value: Any) -> Any:
@@ -36,9 +39,16 @@ class MetricsWriter:
         """On resume, drop lines of steps after the checkpoint so the file reads as one run."""
         if not self.enabled or not self.path.exists():
             return
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        kept = []
+        for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:  # a write cut short (a kill, a full disk)
+                logger.warning("%s: line %d is not a whole JSON row; dropped", self.path, number)
+                continue
+            if row is not None and row.get("step", 0) <= step:
+                kept.append(line)
+        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ rank waits in a collective for one that failed (`agreed`).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -30,15 +31,21 @@ from glm_training.checkpoint import (
 )
 from glm_training.config import config_to_yaml
 from glm_training.distributed import collectives as dist
+from glm_training.errors import UserError
 
 logger = logging.getLogger("glm_training")
 T = TypeVar("T")
 
 
-def resolve_output_dir(cfg: Any, is_main: bool, halves: tuple[str, ...] = ("",)) -> Path:
-    """The run's folder (chosen once by rank 0 when `trainer.output_dir` is empty); refused when it already
-    holds another run's checkpoints (in the sub-folders `halves`, a joint run's) and `trainer.resume` is not
-    set."""
+class OutputDirError(UserError):
+    """`trainer.output_dir` cannot hold this run: it cannot be made or written, or it holds another run."""
+
+
+def resolve_output_dir(cfg: Any, is_main: bool, halves: tuple[str, ...] = ("",)) -> tuple[Path, bool]:
+    """The run's folder (chosen once by rank 0 when `trainer.output_dir` is empty), made by rank 0, and
+    whether this call made it. Refused,
+    on every rank alike, when it cannot be made or written, or when `trainer.resume` is not set and it
+    already holds another run's checkpoints (in the sub-folders `halves`, a joint run's) or metrics."""
     name = cfg.trainer.output_dir
     if not name:
         name = dist.broadcast_object(f"outputs/{cfg.run_name}-{datetime.now():%Y%m%d-%H%M%S}")
@@ -48,11 +55,33 @@ def resolve_output_dir(cfg: Any, is_main: bool, halves: tuple[str, ...] = ("",))
             f"'{path}' already holds checkpoints of another run; continue it with trainer.resume=latest, "
             "or choose a new trainer.output_dir (checkpoints are never overwritten)."
         )
-    if is_main:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    made = is_main and not path.exists()
+    error = dist.broadcast_object(_output_dir_problem(path, cfg.trainer.resume) if is_main else "")
+    if error:
+        raise OutputDirError(error)
     logger.info("outputs go to %s", path)
-    return path
+    return path, made
+
+
+def _output_dir_problem(path: Path, resume: str | None) -> str:
+    """Rank 0: make `path`; what is wrong with it as this run's folder, or "" (made and writable)."""
+    metrics = path / "metrics.jsonl"
+    if resume is None and metrics.is_file() and metrics.stat().st_size:
+        return (
+            f"trainer.output_dir: '{path}' holds the metrics.jsonl of another run, which has no checkpoint "
+            "to resume; choose a new trainer.output_dir (a run never appends to another's metrics)."
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        return (
+            f"trainer.output_dir: '{path}' cannot be made or written ({type(err).__name__}: "
+            f"{err.strerror or err}); choose a folder this user can write."
+        )
+    return ""
 
 
 def agreed(decide: Callable[[], T], is_main: bool) -> T:

@@ -307,6 +307,13 @@ class Policy:
             self.ema.optimization_step = steps + 1
         return grad_norm
 
+    def weights_finite(self) -> bool:
+        """Whether this rank's trained weights (its shards, under FSDP) are all finite: one device sync."""
+        from torch.distributed.tensor import DTensor
+
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.trained_parameters()]
+        return bool(torch.stack([torch.isfinite(p.detach()).all() for p in local]).all())
+
     @contextlib.contextmanager
     def eval_weights(self):
         """The EMA weights inside, when EMA is on (as Flow-GRPO evaluates); the live weights otherwise."""

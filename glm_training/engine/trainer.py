@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from glm_training.engine.reporting import Evaluation, Progress
 from glm_training.engine.update import UpdateLoop
 from glm_training.environment import log_environment
 from glm_training.evaluation import FrozenPriors, eval_sampling
-from glm_training.guards import SkipCounter
+from glm_training.guards import NonFiniteWeights, SkipCounter
 from glm_training.logs import setup_logging
 from glm_training.metrics import MetricsWriter
 from glm_training.plan import log_memory_plan
@@ -87,15 +88,14 @@ class RewardTrainer:
         for inputs in self.inputs.values():  # refused before anything is written
             check_ranks(inputs.cfg, dist.rank_info().world_size)
         self._start_engine()
-        self._open_outputs()
-        halves = [inputs.cfg for inputs in self.inputs.values()]
-        self.memory_plan = log_memory_plan(halves[0], self.accelerator, *halves[1:])  # GPUs: stops if too big
-        self.priors = self._build_priors(priors)
-        self.policies = self._build_model(pipeline)
-        self.algorithm = self._build_algorithm(algorithm, seed_stream)
-        self.monitor = self._build_monitor()
-        self.checkpoints = self._build_checkpoints()
-        self.start_step = self._resume()
+        with self._outputs_until_accepted():  # config.yaml once the run is built and its resume checked
+            self.memory_plan = self._plan_memory()  # on GPUs: stops here if it cannot fit
+            self.priors = self._build_priors(priors)
+            self.policies = self._build_model(pipeline)
+            self.algorithm = self._build_algorithm(algorithm, seed_stream)
+            self.monitor = self._build_monitor()
+            self.checkpoints = self._build_checkpoints()
+            self.start_step = self._resume()
         self.tracker = self._build_tracker()
         self.evaluation = self._build_evaluation()
 
@@ -205,14 +205,28 @@ class RewardTrainer:
         self.is_main = self.accelerator.is_main_process
         log_environment(cfg, self.accelerator.device)  # bf16 on a CPU without it; packages off the lock
 
-    def _open_outputs(self) -> None:
-        """The run's folder (each half's checkpoints in its sub-folder: none for a run of one half),
-        metrics.jsonl, config.yaml."""
+    @contextlib.contextmanager
+    def _outputs_until_accepted(self) -> Iterator[None]:
+        """The run's folder (each half's checkpoints in its sub-folder: none for a run of one half) and its
+        metrics.jsonl while the run is built; then config.yaml. A run refused while it is built leaves the
+        folder as it was: config.yaml untouched, a folder it made removed (still empty)."""
         folders = tuple(prefix.rstrip("_") for prefix in self.inputs)  # "ar_" -> "ar"; "" -> the run's own
-        self.output_dir = resolve_output_dir(self.cfg, self.is_main, folders)
+        self.output_dir, made = resolve_output_dir(self.cfg, self.is_main, folders)
         self.metrics = MetricsWriter(self.output_dir, self.is_main)
+        try:
+            yield
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):  # not empty: something else wrote there; kept
+                    self.output_dir.rmdir()
+            raise
         if self.is_main:
             (self.output_dir / "config.yaml").write_text(config_to_yaml(self.cfg), encoding="utf-8")
+
+    def _plan_memory(self) -> Any:
+        """The per-rank memory plan of the trained halves, logged; on GPUs it refuses what cannot fit."""
+        halves = [inputs.cfg for inputs in self.inputs.values()]
+        return log_memory_plan(halves[0], self.accelerator, *halves[1:])
 
     def _unused(self) -> tuple[tuple[str, ...], str]:
         """The frozen components a run never loads, and why: the AR model when a prior cache gives the DiT its
@@ -287,14 +301,19 @@ class RewardTrainer:
         skips = SkipCounter(cfg.max_consecutive_skips)
         progress = Progress(self.cfg, self.tracker, self.is_main, self.start_step, self.reward_keys)
         failed = True
+        updates_before = self._optimizer_steps()
         try:
             if self.start_step == 0:
                 dist.set_phase("evaluation", 0)
                 self.tracker.log_scalars(0, self.evaluate(0))  # the base model's numbers
+            ran = self.start_step  # the last step run
             for step in range(self.start_step, cfg.num_steps):
+                ran = step + 1
                 if self.train_step(step, progress, skips, signals):
                     break
             self.checkpoints.finish_pending()
+            if self._optimizer_steps() == updates_before:  # a run that made no update never says done
+                skips.check_trained(self.start_step, ran)
             failed = False
         except Exception as err:
             if not dist.is_collective_failure(err):
@@ -330,6 +349,7 @@ class RewardTrainer:
             update_stats: dict[str, float] = {}
         else:
             update_stats = self.update(batch, step)
+            self._check_weights(step)
         skipped = sum(policy.num_skipped_nonfinite for policy in self.policies.values())
         losses = [v for k, v in update_stats.items() if k == "loss" or k.endswith("_loss")]
         nonfinite = skipped > 0 or not all(math.isfinite(v) for v in losses)
@@ -393,6 +413,23 @@ class RewardTrainer:
         if reward_failed and any(inputs.stops_on_failure() for inputs in self.inputs.values()):
             raise RewardFailed(self._failure_message(step))
         return reward_failed
+
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps taken so far, by every trained half (a skipped one is not counted)."""
+        return sum(policy.lr_scheduler.last_epoch for policy in self.policies.values())
+
+    def _check_weights(self, step: int) -> None:
+        """Stops the run (every rank) when an update left a trained weight NaN or inf, before any evaluation,
+        metrics row or checkpoint of the step can use it."""
+        broken = [prefix for prefix, policy in self.policies.items() if not policy.weights_finite()]
+        if not dist.any_rank(bool(broken)):
+            return
+        lrs = ", ".join(f"{prefix}optim.lr={p.cfg.optim.lr}" for prefix, p in self.policies.items())
+        raise NonFiniteWeights(
+            f"step {step + 1}: an update with a finite gradient norm left trained weights NaN or inf; the "
+            f"run stops before a checkpoint holds them. The likely cause is a learning rate far too high "
+            f"({lrs}): lower it, then continue from the newest checkpoint with trainer.resume=latest."
+        )
 
     def _reward_sets(self) -> list[Any]:
         """The reward sets scored during training, every half's (the failure handling covers each)."""

@@ -72,3 +72,12 @@ def fails_on_rank_1(images, prompts, metadata):
     if os.environ.get("RANK") == "1":
         raise KeyError("a bug in the reward that only rank 1 hits (test fault)")
     return _brightness(images)
+
+
+class AlwaysFails(Reward):
+    """A retryable scorer that never answers (a reward server down for the whole run)."""
+
+    retryable = True
+
+    def __call__(self, images, prompts, metadata):
+        raise ConnectionError("the scorer is down (test fault)")
