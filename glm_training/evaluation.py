@@ -404,12 +404,12 @@ def evaluated_weights(args: argparse.Namespace, overrides: list[str]) -> Evaluat
     from glm_training.models.placement import parse_dtype
 
     if args.checkpoint:
-        from glm_training.checkpoint import resolve_checkpoint
         from glm_training.export import inspect_checkpoints, load_pipeline_from_checkpoints
 
-        checkpoints = [resolve_checkpoint(Path(c)) for c in args.checkpoint]
-        # Every checkpoint error (two DiT runs, other base models, --ema without EMA) before any loading.
-        infos = inspect_checkpoints(checkpoints, use_ema=args.ema is True)
+        # Every checkpoint error (damaged files, two DiT runs, other base models, --ema without EMA) before
+        # any loading; a run folder gives its newest intact checkpoint.
+        infos = inspect_checkpoints([Path(c) for c in args.checkpoint], use_ema=args.ema is True)
+        checkpoints = [info.path for info in infos]
         # As in training: the EMA weights when the run kept them (unless --no-ema).
         use_ema = all(info.has_ema for info in infos) if args.ema is None else args.ema
         # Sampling settings come from the DiT run when one is given (it trained the decoder's sampling).

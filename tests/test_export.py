@@ -19,6 +19,7 @@ from conftest import PYTHON, run_cli
 from safetensors.torch import load_file
 
 from glm_training.checkpoint import CheckpointError, resolve_checkpoint
+from glm_training.checkpoint.integrity import write_hashes
 from glm_training.cli import run
 from glm_training.engine.trainer import ARTrainer, DiTTrainer
 from glm_training.export import load_pipeline_from_checkpoints, main
@@ -282,7 +283,8 @@ def test_overwrite_replaces_a_previous_export_only_when_asked(tmp_path, dit_full
 
 # ---------------------------------------------------------------------------------------------------------
 # Bad input: exit status 2 and a message, before any model is loaded. The checkpoints below are copies whose
-# base model points at a folder that does not exist, so reaching the loading stage would fail differently.
+# base model points at a folder that does not exist (their hashes recorded anew, as a run of that model would
+# have them), so reaching the loading stage would fail differently.
 
 
 def _unloadable(step_dir: Path, dest: Path, model_name: str = "absent-model") -> Path:
@@ -291,6 +293,7 @@ def _unloadable(step_dir: Path, dest: Path, model_name: str = "absent-model") ->
     text = config.read_text()
     assert "  name: tiny\n" in text
     config.write_text(text.replace("  name: tiny\n", f"  name: {dest.parent / model_name}\n"))
+    write_hashes(dest)  # as a trainer writes it: hashes.json records the config it holds
     return dest
 
 

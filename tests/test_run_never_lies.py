@@ -2,7 +2,8 @@
 
 Ctrl-C stops gracefully, a refused run leaves its folder as it was, a run that made no update or whose
 weights broke does not say done, metrics.jsonl survives a torn line and never mixes two runs, an output
-folder that cannot be written is one line before anything loads.
+folder that cannot be written is one line before anything loads, every reader of a checkpoint checks its
+hashes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import threading
 
@@ -18,6 +20,8 @@ from conftest import DIT_SMALL, REPO
 
 from glm_training import preemption
 from glm_training.cli import run
+from glm_training.evaluate import main as evaluate_main
+from glm_training.export import main as export_main
 from glm_training.metrics import MetricsWriter, read_metrics
 
 SMALL = [*DIT_SMALL, "logging.tensorboard=false"]
@@ -138,3 +142,58 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys, w
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith(f"error: trainer.output_dir: '{target}' cannot be made or written")
     assert not any("Traceback" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A DiT run with checkpoints at steps 1 and 2 (copied by each test that damages it)."""
+    out = tmp_path_factory.mktemp("never-lies") / "run"
+    args = [*SMALL, "trainer.num_steps=2", "trainer.save_every=1", f"trainer.output_dir={out}"]
+    assert run("dit", "t2i_training", args) == 0
+    return out
+
+
+def damaged_copy(run_dir, tmp_path, file: str, data: bytes | None = None):
+    """A copy of `run_dir` whose step-2 `file` is overwritten in place: 4 KiB of zeros at its middle (same
+    size), or `data`."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    target = copy / "checkpoints" / "step-000002" / file
+    if data is not None:
+        target.write_bytes(data)
+        return copy, target
+    with target.open("r+b") as f:
+        f.seek(target.stat().st_size // 2)
+        f.write(bytes(4096))
+    return copy, target
+
+
+def test_evaluate_and_export_read_only_verified_checkpoints(two_checkpoints, tmp_path, capsys, caplog):
+    """A weights file damaged at the same size: the damaged checkpoint given by name is one line naming the
+    file; given the run folder, export takes the newest intact checkpoint, naming the damaged one."""
+    copy, target = damaged_copy(two_checkpoints, tmp_path, "trainable.safetensors")
+    step_two = target.parent
+    assert evaluate_main(["--checkpoint", str(step_two), "--output", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"'{target}' does not match its recorded SHA-256" in err[-1] and len(err) == 1
+    assert not (tmp_path / "eval").exists()
+    assert export_main(["--checkpoint", str(step_two), "--output", str(tmp_path / "refused")]) == 2
+    assert f"'{target}' does not match" in capsys.readouterr().err
+    with caplog.at_level("WARNING", logger="glm_training"):
+        assert export_main(["--checkpoint", str(copy), "--output", str(tmp_path / "exported")]) == 0
+    (used,) = json.loads((tmp_path / "exported" / "export_info.json").read_text())["checkpoints"]
+    assert used["step"] == 1
+    assert any(f"skipping checkpoint {step_two}" in r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_state_file_is_named_and_resume_falls_back(two_checkpoints, tmp_path, caplog):
+    """`trainer_state.json` is written after the hashes; a damaged one is found by the same check: the resume
+    takes step 1, sets step 2 aside and trains it again."""
+    copy, target = damaged_copy(two_checkpoints, tmp_path, "trainer_state.json", b'{"step": 2, "comp')
+    args = [*SMALL, "trainer.num_steps=2", "trainer.save_every=1", f"trainer.output_dir={copy}"]
+    with caplog.at_level("WARNING", logger="glm_training"):
+        assert run("dit", "t2i_training", [*args, "trainer.resume=latest"]) == 0
+    assert any(f"'{target}' is damaged" in r.getMessage() for r in caplog.records)
+    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
+    assert names == ["step-000001", "step-000002", "step-000002.damaged"]
+    assert [r["step"] for r in read_metrics(copy / "metrics.jsonl")] == [1, 2]

@@ -1,12 +1,15 @@
 """A checkpoint seen from outside a run (export, evaluation, frozen weights): found from a step or run
-folder, and its step, component and model settings read without loading any model."""
+folder and verified against its hashes, and its step, component and model settings read without loading
+any model."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm_training.checkpoint.integrity import newest_intact, verify_checkpoint
 from glm_training.checkpoint.layout import (
     CHECKPOINT_LAYOUT,
     CHECKPOINT_PREFIX,
@@ -20,6 +23,8 @@ from glm_training.checkpoint.layout import (
     read_checkpoint_state,
 )
 from glm_training.models.halves import HALVES
+
+logger = logging.getLogger("glm_training.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,11 @@ class CheckpointInfo:
 
 
 def resolve_checkpoint(path: Path | str) -> Path:
-    """A step folder -> itself; a run folder (or its `checkpoints/`) -> its newest complete checkpoint.
+    """A step folder -> itself; a run folder (or its `checkpoints/`) -> its newest intact checkpoint (the
+    damaged ones after it named in a warning). Either is verified against its hashes
+    (`integrity.verify_checkpoint`), so that no reader loads a damaged file.
 
-    Raises `CheckpointError` naming what was expected when `path` is neither.
+    Raises `CheckpointError` naming what was expected, or the damaged file, when `path` is neither.
     """
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -58,6 +65,12 @@ def resolve_checkpoint(path: Path | str) -> Path:
                 f"'{path}' has {STATE_FILE} but lacks {missing}, so it is not a complete checkpoint; "
                 f"{CHECKPOINT_LAYOUT}."
             )
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise CheckpointError(
+                f"checkpoint '{path}': {problem}; restore it from a copy, or give its run folder to use the "
+                "newest intact checkpoint."
+            )
         return path
     run_dir = path.parent if path.name == "checkpoints" else path
     # A step folder renamed from `.tmp` only once complete has a plain numeric suffix; skip anything else.
@@ -67,7 +80,13 @@ def resolve_checkpoint(path: Path | str) -> Path:
             f"'{path}' is neither a checkpoint folder (no {STATE_FILE}) nor a run folder holding one; "
             f"{CHECKPOINT_LAYOUT}."
         )
-    return found[-1]
+    newest, damaged = newest_intact(found)
+    if newest is None:
+        problems = "; ".join(problem for _, problem in damaged)
+        raise CheckpointError(f"'{path}' holds no intact checkpoint ({problems}); restore one from a copy.")
+    if damaged:
+        logger.warning("%s: using %s, the newest intact checkpoint", path, newest.name)
+    return newest
 
 
 def read_checkpoint(path: Path | str) -> CheckpointInfo:

@@ -1,7 +1,9 @@
 """Checkpoint integrity: `hashes.json` records the SHA-256 of every file, and a check against it.
 
-Resume checks the hashes and refuses a checkpoint whose file changed (bit rot, a copy cut short, a file
-edited by hand), naming the file (`resume.py`).
+Every reader checks them: resume (`resume.py`), export, evaluation, chained runs' frozen weights
+(`info.resolve_checkpoint`). A checkpoint whose file changed (bit rot, a copy cut short, a file edited by
+hand) is refused naming the file; given a run folder, a reader takes the newest intact checkpoint
+(`newest_intact`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,34 @@ def write_hashes(folder: Path) -> None:
     (folder / HASHES_FILE).write_text(json.dumps(hashes, indent=1), encoding="utf-8")
 
 
+# Checkpoints found intact in this process, with the size and modification time of each of their files: a
+# reader that checks again (export inspects, then loads) does not hash gigabytes twice.
+_INTACT: dict[Path, tuple] = {}
+
+
+def _file_stats(path: Path) -> tuple:
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+    return tuple((p.as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
 def verify_checkpoint(path: Path) -> str | None:
-    """None if every recorded file is present with its recorded hash; else what is wrong, naming the file."""
+    """None if every recorded file is present with its recorded hash and the state file (written after the
+    hashes) is whole; else what is wrong, naming the file."""
+    key = Path(path).resolve()
+    if key in _INTACT and _INTACT[key] == _file_stats(key):
+        return None
+    problem = _verify(Path(path))
+    if problem is None:
+        _INTACT[key] = _file_stats(key)
+    return problem
+
+
+def _verify(path: Path) -> str | None:
+    state_file = Path(path) / STATE_FILE
+    try:
+        int(json.loads(state_file.read_text(encoding="utf-8"))["step"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return f"'{state_file}' is damaged (not {{\"step\": N, ...}})"
     hashes_file = Path(path) / HASHES_FILE
     if not hashes_file.is_file():
         logger.warning("checkpoint %s has no %s (an older version wrote it): not verified", path, HASHES_FILE)
@@ -57,3 +85,16 @@ def verify_checkpoint(path: Path) -> str | None:
         if file_sha256(file) != expected:
             return f"'{file}' does not match its recorded SHA-256 (damaged or changed since it was written)"
     return None
+
+
+def newest_intact(checkpoints: list[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest of `checkpoints` (oldest first) that passes `verify_checkpoint`, or None; and the newer
+    damaged ones with what is wrong with each (logged)."""
+    damaged = []
+    for path in reversed(checkpoints):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path, damaged
+        logger.warning("skipping checkpoint %s: %s", path, problem)
+        damaged.append((path, problem))
+    return None, damaged

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from glm_training.checkpoint.integrity import verify_checkpoint
+from glm_training.checkpoint.integrity import newest_intact, verify_checkpoint
 from glm_training.checkpoint.layout import (
     CHECKPOINT_PREFIX,
     STATE_FILE,
@@ -88,17 +88,13 @@ def _find_latest(output_dir: Path) -> tuple[Path, list[Path]]:
     found = list_checkpoints(output_dir)
     if not found:
         raise _no_checkpoint(f"'{output_dir}/checkpoints' holds no complete checkpoint")
-    problems, damaged = [], []
-    for path in reversed(found):
-        problem = verify_checkpoint(path)
-        if problem is None:
-            return path, damaged
-        logger.warning("skipping checkpoint %s: %s", path, problem)
-        problems.append(f"{path.name}: {problem}")
-        damaged.append(path)
+    path, damaged = newest_intact(found)
+    if path is not None:
+        return path, [p for p, _ in damaged]
+    problems = "; ".join(f"{p.name}: {problem}" for p, problem in damaged)
     raise CheckpointError(
         f"trainer.resume=latest: no intact checkpoint in '{output_dir}/checkpoints' "
-        f"({'; '.join(problems)}); restore the files from a copy, or drop trainer.resume to start afresh."
+        f"({problems}); restore the files from a copy, or drop trainer.resume to start afresh."
     )
 
 
